@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its figures as name=value lines, the key figure last."""

@@ -1,0 +1,105 @@
+"""Encoding events to Kafka record values and back, and the catalogue of every event type.
+
+A record value is the event's JSON (UTF-8, compact). Two headers repeat the envelope's ``event_type`` and
+``schema_version`` so that a consumer can route or skip a record without parsing it. Decoding checks,
+in order: valid JSON object, a known event type, a supported schema version, the model's validation, and
+(when the topic is given) that the type belongs on that topic. Each failure is an
+:class:`EventDecodeError` with a short ``error_type`` the dead-letter event records.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Union
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+from schemas.completions import Completion
+from schemas.dead_letter import DeadLetter
+from schemas.envelope import Event
+from schemas.evaluations import Evaluation
+from schemas.groups import Group
+from schemas.sessions import SessionEnded, SessionSpec, SessionStageChanged
+from schemas.tasks import TaskAccepted
+from schemas.topics import TopicSpec
+from schemas.trajectories import Trajectory
+
+EVENT_MODELS: tuple[type[Event], ...] = (
+    TaskAccepted, SessionSpec, SessionStageChanged, SessionEnded, Completion, Evaluation, Trajectory,
+    Group, DeadLetter,
+)
+EVENT_TYPES: dict[str, type[Event]] = {
+    model.model_fields["event_type"].default: model for model in EVENT_MODELS
+}
+
+AnyEvent = Annotated[Union[tuple(EVENT_MODELS)], Field(discriminator="event_type")]  # type: ignore[valid-type]
+any_event_adapter: TypeAdapter[Event] = TypeAdapter(AnyEvent)
+
+HEADER_EVENT_TYPE = "rollwire-event-type"
+HEADER_SCHEMA_VERSION = "rollwire-schema-version"
+
+
+class EventDecodeError(ValueError):
+    """A record value is not an event this consumer can take."""
+
+    def __init__(self, error_type: str, reason: str) -> None:
+        super().__init__(f"{error_type}: {reason}")
+        self.error_type = error_type
+        self.reason = reason
+
+
+def encode_event(event: Event) -> bytes:
+    """The record value for an event."""
+    return event.model_dump_json(exclude_none=True).encode("utf-8")
+
+
+def event_headers(event: Event) -> list[tuple[str, bytes]]:
+    return [
+        (HEADER_EVENT_TYPE, event.event_type.encode("ascii")),
+        (HEADER_SCHEMA_VERSION, str(event.schema_version).encode("ascii")),
+    ]
+
+
+def _supported_version(model: type[Event]) -> int:
+    return int(model.model_fields["schema_version"].default)
+
+
+def decode_event(value: bytes | None, topic: TopicSpec | None = None) -> Event:
+    """Parse and validate a record value; raises EventDecodeError saying what is wrong."""
+    if value is None:
+        raise EventDecodeError("empty_value", "record has no value (tombstone or null)")
+    try:
+        document = json.loads(value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EventDecodeError("invalid_json", f"record value is not JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise EventDecodeError("invalid_event", f"record value is a JSON {type(document).__name__}, not an object")
+    event_type = document.get("event_type")
+    model = EVENT_TYPES.get(event_type) if isinstance(event_type, str) else None
+    if model is None:
+        raise EventDecodeError("unknown_event_type", f"event_type {event_type!r} is not one of {sorted(EVENT_TYPES)}")
+    version = document.get("schema_version")
+    if version != _supported_version(model):
+        raise EventDecodeError("unsupported_schema_version",
+                               f"{event_type} schema_version {version!r}; this consumer reads "
+                               f"version {_supported_version(model)}")
+    if topic is not None and event_type not in topic.event_types:
+        raise EventDecodeError("wrong_topic", f"{event_type} does not belong on {topic.name}")
+    try:
+        return model.model_validate(document)
+    except ValidationError as exc:
+        raise EventDecodeError("invalid_event", _summarize(exc)) from exc
+
+
+def _summarize(exc: ValidationError, limit: int = 5) -> str:
+    parts = []
+    for error in exc.errors()[:limit]:
+        where = ".".join(str(p) for p in error["loc"]) or "(root)"
+        parts.append(f"{where}: {error['msg']}")
+    more = f" (+{exc.error_count() - limit} more)" if exc.error_count() > limit else ""
+    return f"{exc.title} failed validation: " + "; ".join(parts) + more
+
+
+def event_to_jsonable(event: Event) -> dict[str, Any]:
+    """The event as plain JSON types (packed arrays as strings)."""
+    return event.model_dump(mode="json", exclude_none=True)

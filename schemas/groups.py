@@ -1,0 +1,40 @@
+"""Groups: all samples of a task with rewards and GRPO advantages, on `groups`."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from schemas.envelope import Event, Model
+from schemas.sessions import FailureKind, SessionStatus
+from schemas.topics import Topic
+
+
+class GroupSample(Model):
+    """One session of the group."""
+
+    session_id: str
+    trajectory_id: str | None = Field(default=None, description="Event id of its trajectory.")
+    reward: float | None = None
+    advantage: float | None = Field(default=None, description="None when kept out of training.")
+    status: SessionStatus | None = None
+    failure: FailureKind | None = None
+    in_baseline: bool = Field(description="Whether its reward entered the group's mean and std.")
+
+
+class Group(Event):
+    """A task's samples, ready for one GRPO step."""
+
+    topic: ClassVar[Topic] = Topic.GROUPS
+    key_field: ClassVar[str] = "task_id"
+
+    event_type: Literal["group"] = "group"
+    schema_version: Literal[1] = 1
+    task_id: str = Field(min_length=1)
+    group_id: str | None = None
+    policy_version: str | None = None
+    samples: list[GroupSample]
+    baseline_mean: float | None = None
+    baseline_std: float | None = None
+    complete: bool = Field(default=True, description="False when emitted at a deadline with samples missing.")

@@ -1,0 +1,102 @@
+"""Tasks: the TaskRequest API model a trainer submits, and the `task.accepted` event on `tasks`.
+
+The specs here (runtime, agent, engine parameters, evaluator) are shared with the session spec: a task
+is expanded into ``num_samples`` sessions that each carry a copy of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.envelope import Event, Model, new_event_id
+from schemas.topics import Topic
+
+BuilderName = Literal["per_request", "prefix_merging"]
+HarnessName = Literal["codex", "claude-code", "qwen-code", "pi", "command"]
+
+
+class RuntimeSpec(Model):
+    """Where a session's harness runs and what its workspace starts from."""
+
+    kind: Literal["local", "docker"] = "local"
+    repo: str | None = Field(default=None, description="Git repository path or URL to check out.")
+    base_commit: str | None = None
+    setup: list[str] = Field(default_factory=list, description="Shell commands run once in the workspace.")
+    image: str | None = Field(default=None, description="Container image (docker runtime only).")
+    workdir: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    mounts: list[str] = Field(default_factory=list, description="'host:container[:ro]' (docker only).")
+
+    @model_validator(mode="after")
+    def _docker_needs_image(self) -> RuntimeSpec:
+        if self.kind == "docker" and not self.image:
+            raise ValueError("runtime.kind 'docker' needs runtime.image")
+        return self
+
+
+class AgentSpec(Model):
+    """Which harness runs the session, against which model name, with which settings."""
+
+    harness: HarnessName
+    model: str = Field(default="rollwire-tiny", min_length=1)
+    settings: dict[str, Any] = Field(default_factory=dict)
+    command: str | None = Field(default=None, description=(
+        "For harness 'command': a command line with {base_url}, {api_key}, {model}, {instruction}."))
+
+    @model_validator(mode="after")
+    def _command_needs_template(self) -> AgentSpec:
+        if self.harness == "command" and not self.command:
+            raise ValueError("agent.harness 'command' needs agent.command")
+        return self
+
+
+class EngineParams(Model):
+    """Sampling parameters the session fixes; they override whatever the harness sends."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    extra: dict[str, Any] = Field(default_factory=dict, description=(
+        "Engine-specific request fields passed through verbatim, e.g. vLLM's structured_outputs."))
+
+
+class EvaluatorSpec(Model):
+    """Which evaluator scores the session, and its settings."""
+
+    name: str = Field(min_length=1)
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class TaskRequest(Model):
+    """What a trainer submits: one task, expanded into ``num_samples`` sessions (a GRPO group)."""
+
+    task_id: str = Field(default_factory=new_event_id, min_length=1, max_length=128)
+    instruction: str = Field(min_length=1)
+    num_samples: int = Field(default=1, ge=1, le=1024)
+    timeout_s: float = Field(default=1800.0, gt=0)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    agent: AgentSpec
+    builder: BuilderName = "prefix_merging"
+    evaluator: EvaluatorSpec | None = None
+    engine: EngineParams = Field(default_factory=EngineParams)
+    group_id: str | None = None
+    policy_version: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    callback_url: str | None = None
+
+
+class TaskAccepted(Event):
+    """A task as the rollout server accepted it, with the ids of the sessions it expanded into."""
+
+    topic: ClassVar[Topic] = Topic.TASKS
+    key_field: ClassVar[str] = "task_id"
+
+    event_type: Literal["task.accepted"] = "task.accepted"
+    schema_version: Literal[1] = 1
+    task_id: str
+    request: TaskRequest
+    session_ids: list[str]

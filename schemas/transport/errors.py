@@ -1,0 +1,17 @@
+"""Exceptions raised at the Kafka boundary; aiokafka's own errors are translated into these."""
+
+
+class TransportError(Exception):
+    """Base class for failures talking to Kafka."""
+
+
+class PublishError(TransportError):
+    """An event could not be written to the broker (it is not recorded)."""
+
+
+class EventTooLargeError(PublishError):
+    """An encoded event exceeds the configured message size limit."""
+
+
+class ClientClosedError(TransportError):
+    """The client was used before start() or after stop()."""
