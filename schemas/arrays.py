@@ -173,11 +173,14 @@ class PackedArray(Sequence):
             except (ArrayCodecError, TypeError, OverflowError) as exc:
                 raise ValueError(str(exc)) from exc
 
+        def serialize(value: Any, info: core_schema.SerializationInfo) -> Any:
+            # model_copy(update=...) skips validation, so a raw list or ndarray can arrive here.
+            packed = value if isinstance(value, PackedArray) else cls(value)
+            return packed.encode() if info.mode_is_json() else packed
+
         return core_schema.no_info_plain_validator_function(
             validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda v, info: v.encode() if info.mode_is_json() else v, info_arg=True
-            ),
+            serialization=core_schema.plain_serializer_function_ser_schema(serialize, info_arg=True),
         )
 
     @classmethod

@@ -1,0 +1,1 @@
+"""Faust stream processors: trajectory builders, reward join, GRPO group assembly."""

@@ -1,0 +1,1 @@
+"""Producers: the rollout server, gateway nodes, runtimes and harness adapters."""

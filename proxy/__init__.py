@@ -1,0 +1,1 @@
+"""The gateway proxy: provider detection, normalization, upstream engines, completion events."""

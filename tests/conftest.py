@@ -1,0 +1,54 @@
+"""Test fixtures: the project's real Apache Kafka, started once per test run (or reused if one is up).
+
+The broker is the one ``deploy/`` runs (``rollwire up``). If ``ROLLWIRE_KAFKA_BOOTSTRAP`` names a broker
+that answers, it is reused; otherwise a broker is started in a temporary home on a free port and stopped
+at the end of the run. Every test that writes gets topics under its own fresh prefix, so tests never see
+each other's records, even on a reused broker.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
+from schemas.transport.settings import KafkaSettings
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Bootstrap address of a real broker for this test run."""
+    configured = os.environ.get("ROLLWIRE_KAFKA_BOOTSTRAP")
+    if configured and broker_answers(configured):
+        yield configured
+        return
+    base = KafkaConfig.from_env()
+    config = KafkaConfig(version=base.version, cache_dir=base.cache_dir,
+                         home=tmp_path_factory.mktemp("kafka-home"), host="127.0.0.1",
+                         port=_free_port(), controller_port=_free_port(), heap=base.heap,
+                         max_message_bytes=base.max_message_bytes)
+    broker = KafkaBroker(config)
+    broker.start(timeout_s=240)
+    try:
+        yield config.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+async def kafka(kafka_bootstrap: str) -> AsyncIterator[KafkaSettings]:
+    """Settings for a fresh set of topics (unique prefix) on the test broker, topics created."""
+    settings = KafkaSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:10]}.",
+                             session_partitions=4, task_partitions=2)
+    await ensure_topics(kafka_bootstrap, settings.registry(), settings.max_message_bytes)
+    yield settings
