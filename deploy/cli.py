@@ -67,7 +67,10 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
     """Report the local stack: broker process, bootstrap address, whether it answers, topics."""
     config = KafkaConfig.from_env()
     settings = _local_broker_settings(config)
-    report = {"kafka_" + k: v for k, v in KafkaBroker(config).status().items()}
+    managed = settings.kafka_bootstrap == config.bootstrap
+    report: dict[str, object] = {"kafka_managed": managed}
+    if managed:
+        report.update({"kafka_" + k: v for k, v in KafkaBroker(config).status().items()})
     report["kafka_bootstrap"] = settings.kafka_bootstrap
     report["kafka_answers"] = broker_answers(settings.kafka_bootstrap)
     report["topic_prefix"] = settings.topic_prefix

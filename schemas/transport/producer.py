@@ -12,6 +12,7 @@ import socket
 import warnings
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -53,6 +54,7 @@ class EventProducer:
             linger_ms=settings.kafka_linger_ms,
             request_timeout_ms=settings.kafka_request_timeout_ms,
         )
+        self._transactional_id = transactional_id
         self._started = False
         self._closed = False
 
@@ -96,6 +98,15 @@ class EventProducer:
                 f"{event.event_type} {event.event_id} is {len(value)} bytes encoded; the limit is "
                 f"{self.settings.max_message_bytes} (ROLLWIRE_MAX_MESSAGE_BYTES, broker message.max.bytes)")
         return self.registry.name(event.topic), stamped.key(), value, event_headers(stamped)
+
+    def transaction(self) -> Any:
+        """``async with producer.transaction():`` — the sends inside commit together or not at all.
+
+        Needs ``transactional_id``; readers see them only once committed (our consumers read committed).
+        """
+        if self._transactional_id is None:
+            raise ValueError("transactions need EventProducer(..., transactional_id='...')")
+        return self._producer.transaction()
 
     async def send(self, event: Event) -> RecordMetadata:
         """Write one event and wait until the broker has it."""

@@ -172,3 +172,25 @@ async def test_uncommitted_work_is_redelivered_to_the_next_member(kafka: KafkaSe
         again = await drain(second, len(events))
     assert sorted(r.event.event_id for r in again) == sorted(e.event_id for e in events)
 
+
+
+async def test_transactions_work_on_the_single_node(kafka: KafkaSettings) -> None:
+    """The local broker is configured for transactions: aborted sends stay invisible to our readers."""
+    kept, dropped = completion(session_id="txn", sequence=0), completion(session_id="txn", sequence=1)
+    async with EventProducer(kafka, transactional_id=f"test-{uuid.uuid4().hex[:6]}") as producer:
+        async with producer.transaction():
+            await producer.send(kept)
+        with pytest.raises(RuntimeError, match="abort"):
+            async with producer.transaction():
+                await producer.send(dropped)
+                raise RuntimeError("abort this transaction")
+    async with EventConsumer(kafka, [Topic.COMPLETIONS], group_id=None, dead_letters=False) as consumer:
+        received = await drain(consumer, 1)
+        received += await consumer.getmany(timeout_ms=1500)
+    assert [r.event.event_id for r in received] == [kept.event_id]
+
+
+async def test_transaction_needs_an_id(kafka: KafkaSettings) -> None:
+    async with EventProducer(kafka) as producer:
+        with pytest.raises(ValueError, match="transactional_id"):
+            producer.transaction()
