@@ -13,12 +13,16 @@ import typer
 
 from deploy.errors import DeployError
 from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
+from proxy.cli import run as proxy_run
+from proxy.cli import session_app
 from schemas.cli import app as schemas_app
 from schemas.transport.settings import KafkaSettings
 
 app = typer.Typer(help="rollwire: record coding-agent harnesses token for token, as RL training data.",
                   no_args_is_help=True, add_completion=False)
 app.add_typer(schemas_app, name="schemas")
+app.add_typer(session_app, name="session")
+app.command("proxy", help="Run the gateway proxy in the foreground.")(proxy_run)
 
 
 def _local_broker_settings(config: KafkaConfig) -> KafkaSettings:

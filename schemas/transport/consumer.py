@@ -9,6 +9,7 @@ is acknowledged before the consumer moves past it) and the consumer carries on.
 from __future__ import annotations
 
 import base64
+import logging
 import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -27,6 +28,8 @@ from schemas.transport.producer import EventProducer
 from schemas.transport.settings import KafkaSettings
 
 DEFAULT_DEDUPE_WINDOW = 100_000
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +66,9 @@ class EventConsumer:
     """Reads rollwire events from one or more topics, as a member of a consumer group or alone.
 
     ``async for received in consumer`` yields :class:`Received`. Malformed, unknown or misplaced records
-    never reach the caller: they go to the dead-letter topic with the reason. Call :meth:`commit` after
-    processing to advance the group's offsets.
+    never reach the caller: they go to the dead-letter topic with the reason (or, with
+    ``dead_letters=False``, are logged and skipped). Call :meth:`commit` after processing to advance the
+    group's offsets.
     """
 
     def __init__(self, settings: KafkaSettings, topics: Sequence[Topic], *, group_id: str | None,
@@ -96,6 +100,7 @@ class EventConsumer:
         self._closed = False
         self.duplicates_skipped = 0
         self.dead_lettered = 0
+        self.skipped = 0
 
     async def start(self) -> None:
         if self._closed:
@@ -141,6 +146,17 @@ class EventConsumer:
         except KafkaError as exc:
             raise TransportError(f"commit failed for group {self.group_id}: {exc!r}") from exc
 
+    async def lag(self) -> int:
+        """Records between this consumer's positions and the ends of its assigned partitions."""
+        partitions = self._consumer.assignment()
+        if not partitions:
+            return 0
+        ends = await self._consumer.end_offsets(list(partitions))
+        lag = 0
+        for partition in partitions:
+            lag += max(0, ends[partition] - await self._consumer.position(partition))
+        return lag
+
     def __aiter__(self) -> AsyncIterator[Received]:
         return self._iterate()
 
@@ -176,8 +192,12 @@ class EventConsumer:
     async def dead_letter(self, record: ConsumerRecord, error_type: str, reason: str) -> None:
         """Write a record the caller cannot process to the dead-letter topic, with the reason."""
         if self._dead_letter_producer is None:
-            raise TransportError(f"cannot dead-letter {record.topic}@{record.offset}: dead letters are off "
-                                 f"for this consumer ({error_type}: {reason})")
+            # A reader that is not the record's processor (a registry, a tail) skips it; the processing
+            # consumer group dead-letters it once.
+            logger.warning("skipping %s@%d/%d (%s: %s)", record.topic, record.partition, record.offset,
+                           error_type, reason)
+            self.skipped += 1
+            return
         value = record.value or b""
         # Base64 grows the payload by a third: keep at most half the size limit so the letter always fits.
         keep = self.settings.max_message_bytes // 2

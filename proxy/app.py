@@ -1,0 +1,247 @@
+"""The proxy's HTTP app: routes for each provider API, the session API, health and metrics.
+
+Routes stay thin: they read the body within limits, find the session, and hand the call to
+:class:`~proxy.calls.CallService`; errors are rendered in the caller's protocol (OpenAI's error object
+on OpenAI routes, ``{"detail": ...}`` on rollwire's own API).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from proxy import openai_chat
+from proxy.calls import CallService
+from proxy.capture import CallContext, Recorder, body_digest
+from proxy.engine import VllmEngine
+from proxy.errors import BadRequest, CaptureFailed, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from proxy.metrics import ProxyMetrics
+from proxy.sessions import LiveSession, RegistryFeed, SessionRegistry
+from proxy.settings import ProxySettings
+from schemas.api import SessionCreate, SessionCreated, SessionEnd, SessionState
+from schemas.sessions import SessionEnded, SessionSpec
+from schemas.transport import KafkaSettings
+
+logger = logging.getLogger(__name__)
+
+_HINT_HEADERS = ("user-agent", "x-stainless-retry-count", "x-claude-code-session-id", "session_id",
+                 "conversation_id", "x-rollwire-agent", "x-rollwire-parent")
+
+
+@dataclass
+class ProxyState:
+    settings: ProxySettings
+    kafka: KafkaSettings
+    registry: SessionRegistry
+    feed: RegistryFeed
+    recorder: Recorder
+    engine: VllmEngine
+    service: CallService
+    metrics: ProxyMetrics
+
+
+def _api_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or request.query_params.get("key")
+
+
+async def read_json_body(request: Request, limit: int) -> tuple[Any, bytes]:
+    """The decoded JSON body and its bytes; 415, 413 and 400 errors for the usual ways it is wrong."""
+    content_type = request.headers.get("content-type", "")
+    if "json" not in content_type.lower():
+        raise UnsupportedMediaType(f"send the body as application/json (got {content_type or 'no content type'!r})")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit "
+                              "(ROLLWIRE_PROXY_MAX_BODY_BYTES)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the {limit}-byte limit (ROLLWIRE_PROXY_MAX_BODY_BYTES)")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw), raw
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _context(request: Request, api: str, session: LiveSession, requested_model: str | None,
+             raw: bytes) -> CallContext:
+    digest = body_digest(raw)
+    retry_header = request.headers.get("x-stainless-retry-count", "0")
+    retry_count = int(retry_header) if retry_header.isdigit() else 0
+    sequence, retry_of = session.take_sequence(digest, retry_count)
+    hints = {name: request.headers[name] for name in _HINT_HEADERS if name in request.headers}
+    return CallContext(api=api, session_id=session.session_id, task_id=session.spec.task_id,
+                       policy_version=session.spec.policy_version, sequence=sequence,
+                       requested_model=requested_model, served_model=None, digest=digest,
+                       retry_of=retry_of, retry_count=retry_count, agent_hints=hints)
+
+
+def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | None = None, *,
+               engine_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The proxy app; Kafka clients and the engine client start with the app's lifespan."""
+    settings = settings or ProxySettings()
+    kafka = kafka or KafkaSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics = ProxyMetrics()
+        registry = SessionRegistry()
+        recorder = Recorder(kafka, settings.capture_timeout_s)
+        engine = VllmEngine(settings, transport=engine_transport)
+        state = ProxyState(settings, kafka, registry, RegistryFeed(kafka, registry), recorder, engine,
+                           CallService(engine, recorder, metrics, upstream_stream=settings.upstream_stream), metrics)
+        await recorder.start()
+        state.feed.start()
+        app.state.proxy = state
+        try:
+            yield
+        finally:
+            await state.feed.stop()
+            await recorder.stop()
+            await engine.aclose()
+
+    app = FastAPI(title="rollwire proxy", lifespan=lifespan)
+
+    def state_of(request: Request) -> ProxyState:
+        return request.app.state.proxy
+
+    # -- OpenAI Chat Completions ------------------------------------------------------------------
+    async def chat_completions(request: Request, session_id: str | None) -> Response:
+        state = state_of(request)
+        started = time.perf_counter()
+        status = 500
+        try:
+            document, raw = await read_json_body(request, settings.proxy_max_body_bytes)
+            session = await state.registry.resolve(session_id, _api_key(request), settings.session_wait_s)
+            wire = openai_chat.parse_request(document)
+            normalized = openai_chat.normalize(wire)
+            ctx = _context(request, "openai.chat", session, wire.model, raw)
+            renderer = openai_chat.ChatRenderer(wire)
+            if not wire.stream:
+                turn = await state.service.whole(ctx, session, normalized)
+                status = 200
+                return JSONResponse(renderer.response(turn))
+            chunks = state.service.stream(ctx, session, normalized, renderer)
+            first = await anext(chunks, None)
+            status = 200
+            return StreamingResponse(_prepend(first, chunks), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        except ProxyError as error:
+            status = error.status_code
+            if not isinstance(error, CaptureFailed):
+                state.metrics.error("openai.chat", error.kind)
+            return JSONResponse(openai_chat.error_body(error), status_code=error.status_code)
+        finally:
+            state.metrics.requests.labels(api="openai.chat", status=str(status)).inc()
+            state.metrics.latency.labels(api="openai.chat").observe(time.perf_counter() - started)
+
+    @app.post("/v1/chat/completions")
+    async def chat_by_key(request: Request) -> Response:
+        return await chat_completions(request, None)
+
+    @app.post("/s/{session_id}/v1/chat/completions")
+    async def chat_by_path(request: Request, session_id: str) -> Response:
+        return await chat_completions(request, session_id)
+
+    # -- sessions -----------------------------------------------------------------------------------
+    @app.post("/v1/sessions", status_code=201)
+    async def create_session(request: Request, body: SessionCreate) -> SessionCreated:
+        state = state_of(request)
+        session_id = body.session_id or f"adhoc-{secrets.token_hex(8)}"
+        api_key = body.api_key or f"rw-{secrets.token_urlsafe(24)}"
+        if state.registry.get(session_id) is not None:
+            return _api_error(409, f"session {session_id!r} already exists")
+        spec = SessionSpec(session_id=session_id, task_id=body.task_id, origin="adhoc", agent=body.agent,
+                           builder=body.builder, engine=body.engine, timeout_s=body.timeout_s, api_key=api_key,
+                           policy_version=body.policy_version, metadata=body.metadata)
+        if (failed := await _publish(state, spec)) is not None:
+            return failed
+        await state.registry.apply(spec)  # read-your-writes: usable at once on this instance
+        base = f"{settings.public_url}/s/{session_id}"
+        return SessionCreated(session_id=session_id, api_key=api_key,
+                              base_urls={"openai": f"{base}/v1", "anthropic": base, "gemini": base})
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(request: Request, session_id: str) -> SessionState:
+        session = state_of(request).registry.get(session_id)
+        if session is None:
+            return _api_error(404, f"no session {session_id!r}")
+        return SessionState(session_id=session_id, live=not session.ended, calls=session.next_sequence,
+                            origin=session.spec.origin)
+
+    @app.post("/v1/sessions/{session_id}/end")
+    async def end_session(request: Request, session_id: str, body: SessionEnd) -> SessionState:
+        state = state_of(request)
+        session = state.registry.get(session_id)
+        if session is None:
+            return _api_error(404, f"no session {session_id!r}")
+        ended = SessionEnded(session_id=session_id, task_id=session.spec.task_id, status=body.status,
+                             reason=body.reason)
+        if (failed := await _publish(state, ended)) is not None:
+            return failed
+        await state.registry.apply(ended)
+        return SessionState(session_id=session_id, live=False, calls=session.next_sequence,
+                            origin=session.spec.origin)
+
+    # -- operations ---------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, Any]:
+        state = state_of(request)
+        return {"status": "ok", "kafka": state.recorder.connected,
+                "registry_caught_up": state.feed.caught_up.is_set(), "sessions": state.registry.counts()}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state = state_of(request)
+        return Response(state.metrics.render(state.registry.counts()), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return JSONResponse({"detail": f"{where}: {first.get('msg')}"}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        error = ProxyError(f"internal proxy error ({type(exc).__name__}); see the proxy log")
+        return JSONResponse(openai_chat.error_body(error), status_code=500)
+
+    return app
+
+
+async def _publish(state: ProxyState, event: SessionSpec | SessionEnded) -> JSONResponse | None:
+    """Write a session event durably; a 503 response if Kafka does not take it."""
+    try:
+        await state.recorder.record(event)
+    except CaptureFailed as exc:
+        return _api_error(503, f"Kafka is unavailable, nothing was changed: {exc.message}")
+    return None
+
+
+def _api_error(status: int, detail: str) -> Any:
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+async def _prepend(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk

@@ -1,0 +1,145 @@
+"""Serving one model call, whatever the provider API: engine, capture, and the reply held until recorded.
+
+A provider module parses and normalizes the request and supplies a :class:`Renderer`; this module does
+the rest. Whole replies are returned only after the completion event is acknowledged. Streams are
+relayed as the engine produces them, but their closing part (finish reason, usage, end marker) is sent
+only once the event is acknowledged; if capture fails the stream ends with an error instead, so the
+harness retries rather than keeping unrecorded tokens. A failed call is recorded too, with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Protocol
+
+from proxy.capture import CallContext, Recorder, completion_event
+from proxy.engine import EngineDelta, EngineTurn, TurnAssembler, VllmEngine, engine_body
+from proxy.errors import CaptureFailed, ClientDisconnected, EngineFailed, ProxyError
+from proxy.metrics import ProxyMetrics
+from proxy.sessions import LiveSession
+from schemas.completions import NormalizedRequest
+from schemas.envelope import utcnow
+
+logger = logging.getLogger(__name__)
+
+
+class Renderer(Protocol):
+    def stream_delta(self, delta: EngineDelta) -> list[bytes]: ...
+    def stream_finish(self, turn: EngineTurn) -> list[bytes]: ...
+    def stream_whole(self, turn: EngineTurn) -> list[bytes]: ...
+    def stream_error(self, error: ProxyError) -> list[bytes]: ...
+
+
+class CallService:
+    """Runs calls against the engine and records them."""
+
+    def __init__(self, engine: VllmEngine, recorder: Recorder, metrics: ProxyMetrics, *,
+                 upstream_stream: bool = True) -> None:
+        self.engine = engine
+        self.recorder = recorder
+        self.metrics = metrics
+        self.upstream_stream = upstream_stream
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def _record_failure(self, ctx: CallContext, request: NormalizedRequest, error: ProxyError,
+                              turn: EngineTurn | None = None) -> None:
+        """Best effort: a failed call is recorded, but a Kafka outage must not mask the original error."""
+        self.metrics.error(ctx.api, error.kind)
+        if isinstance(error, CaptureFailed):
+            return
+        try:
+            await self.recorder.record(completion_event(ctx, request, turn, error))
+            self.metrics.event("error")
+        except CaptureFailed as exc:
+            logger.warning("failed call %s/%d not recorded: %s", ctx.session_id, ctx.sequence, exc)
+
+    async def _body(self, session: LiveSession, request: NormalizedRequest, stream: bool) -> tuple[dict, str]:
+        model = await self.engine.served_model()
+        return engine_body(request, model, session.spec.engine, stream=stream), model
+
+    async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest) -> EngineTurn:
+        """Call the engine, record the event, and return the turn (raises ProxyError)."""
+        turn: EngineTurn | None = None
+        try:
+            body, ctx.served_model = await self._body(session, request, stream=False)
+            ctx.upstream_started_at = utcnow()
+            turn = await self.engine.complete(body)
+            ctx.first_token_at = utcnow()
+            _check_tokens(turn)
+            await self.recorder.record(completion_event(ctx, request, turn))
+        except ProxyError as error:
+            await self._record_failure(ctx, request, error, turn)
+            raise
+        self.metrics.event("ok")
+        return turn
+
+    async def stream(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                     renderer: Renderer) -> AsyncIterator[bytes]:
+        """The reply as byte chunks of the provider's stream; recording happens before the closing chunks.
+
+        A ProxyError raised before the first chunk propagates (the caller answers with an HTTP error);
+        after it, the error is rendered into the stream.
+        """
+        if not self.upstream_stream:
+            async for chunk in self._synthetic_stream(ctx, session, request, renderer):
+                yield chunk
+            return
+        assembler = TurnAssembler()
+        outcome = "aborted"
+        started = False  # once a chunk is out, errors can only be told in the stream itself
+        try:
+            body, ctx.served_model = await self._body(session, request, stream=True)
+            ctx.upstream_started_at = utcnow()
+            deltas = self.engine.stream(body)
+            try:
+                async for delta in deltas:
+                    if ctx.first_token_at is None and (delta.token_ids or delta.has_text):
+                        ctx.first_token_at = utcnow()
+                    assembler.add(delta)
+                    for chunk in renderer.stream_delta(delta):
+                        started = True
+                        yield chunk
+            finally:
+                await deltas.aclose()
+            turn = assembler.turn()
+            _check_tokens(turn)
+            await self.recorder.record(completion_event(ctx, request, turn))
+            outcome = "recorded"
+        except ProxyError as error:
+            outcome = "failed"
+            await self._record_failure(ctx, request, error, assembler.turn())
+            if not started:
+                raise
+            for chunk in renderer.stream_error(error):
+                yield chunk
+            return
+        finally:
+            if outcome == "aborted":
+                # The harness went away (we were cancelled or closed mid-stream): record that in a task of
+                # its own, since this one may not await anything any more.
+                error = ClientDisconnected("the client closed the stream before it ended")
+                self._detach(self._record_failure(ctx, request, error, assembler.turn()))
+        self.metrics.event("ok")
+        for chunk in renderer.stream_finish(turn):
+            yield chunk
+
+    def _detach(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _synthetic_stream(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                                renderer: Renderer) -> AsyncIterator[bytes]:
+        turn = await self.whole(ctx, session, request)
+        for chunk in renderer.stream_whole(turn):
+            yield chunk
+
+
+def _check_tokens(turn: EngineTurn) -> None:
+    """The engine must give token data: without it the call cannot be used for training."""
+    if not turn.prompt_token_ids:
+        raise EngineFailed("the engine returned no prompt_token_ids: is it vLLM with return_token_ids support?")
+    if turn.logprobs and len(turn.logprobs) != len(turn.token_ids):
+        raise EngineFailed(f"the engine returned {len(turn.logprobs)} logprobs for {len(turn.token_ids)} tokens")

@@ -1,0 +1,144 @@
+"""Durable capture: turning a served call into a completion event and getting the broker's ack.
+
+The :class:`Recorder` owns the proxy's Kafka producer. ``record`` returns only when the broker has the
+event; on any failure it raises :class:`~proxy.errors.CaptureFailed` (the caller withholds the reply)
+and replaces its producer, so that the proxy recovers by itself once Kafka is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from proxy.engine import EngineTurn
+from proxy.errors import CaptureFailed, ProxyError
+from schemas.completions import (
+    AssistantMessage,
+    CallTimings,
+    Completion,
+    NormalizedRequest,
+    ProviderApi,
+    Usage,
+)
+from schemas.envelope import Event, utcnow
+from schemas.transport import EventProducer, KafkaSettings
+from schemas.transport.errors import TransportError
+
+logger = logging.getLogger(__name__)
+
+
+def body_digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+@dataclass
+class CallContext:
+    """Everything known about one model call before the engine answers."""
+
+    api: ProviderApi
+    session_id: str
+    task_id: str | None
+    policy_version: str | None
+    sequence: int
+    requested_model: str | None
+    served_model: str | None
+    digest: str
+    retry_of: int | None = None
+    retry_count: int = 0
+    agent_hints: dict[str, str] = field(default_factory=dict)
+    received_at: datetime = field(default_factory=utcnow)
+    upstream_started_at: datetime | None = None
+    first_token_at: datetime | None = None
+
+
+def _ms(start: datetime, end: datetime | None) -> float | None:
+    return None if end is None else max(0.0, (end - start).total_seconds() * 1000)
+
+
+def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineTurn | None,
+                     error: ProxyError | None = None) -> Completion:
+    """The completion event for a call that produced ``turn`` or failed with ``error``."""
+    finished = utcnow()
+    timings = CallTimings(received_at=ctx.received_at, upstream_started_at=ctx.upstream_started_at,
+                          first_token_at=ctx.first_token_at, finished_at=finished,
+                          ttft_ms=_ms(ctx.received_at, ctx.first_token_at), total_ms=_ms(ctx.received_at, finished))
+    fields = dict(
+        session_id=ctx.session_id, task_id=ctx.task_id, sequence=ctx.sequence, agent_hints=ctx.agent_hints,
+        api=ctx.api, requested_model=ctx.requested_model, served_model=ctx.served_model,
+        policy_version=ctx.policy_version, request=request, request_digest=ctx.digest,
+        retry_of=ctx.retry_of, retry_count=ctx.retry_count, timings=timings,
+    )
+    if error is not None:
+        partial = turn is not None and bool(turn.token_ids)
+        return Completion(
+            **fields, status="error", error=error.call_error(),
+            prompt_token_ids=turn.prompt_token_ids if partial else None,
+            token_ids=turn.token_ids if partial else None,
+            logprobs=turn.logprobs if partial and len(turn.logprobs) == len(turn.token_ids) else None,
+            usage=turn.usage if partial else Usage(),
+        )
+    assert turn is not None
+    return Completion(
+        **fields, status="ok",
+        prompt_token_ids=turn.prompt_token_ids, token_ids=turn.token_ids,
+        logprobs=turn.logprobs if turn.logprobs else None,
+        finish_reason=turn.finish_reason,
+        message=AssistantMessage(content=turn.content, reasoning=turn.reasoning, tool_calls=turn.tool_calls),
+        usage=turn.usage,
+    )
+
+
+class Recorder:
+    """Writes the proxy's events (completions, ad-hoc session specs) and waits for the broker's ack."""
+
+    def __init__(self, settings: KafkaSettings, timeout_s: float) -> None:
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self._producer: EventProducer | None = None
+        self._lock = asyncio.Lock()
+        self.recorded = 0
+        self.failures = 0
+
+    async def _ready_producer(self) -> EventProducer:
+        async with self._lock:
+            if self._producer is None:
+                producer = EventProducer(self.settings, service="proxy")
+                await asyncio.wait_for(producer.start(), self.timeout_s)
+                self._producer = producer
+            return self._producer
+
+    async def start(self) -> None:
+        """Connect now if Kafka is there; if not, the first record() tries again."""
+        with contextlib.suppress(TransportError, TimeoutError):
+            await self._ready_producer()
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def record(self, event: Event) -> None:
+        """Return once the broker has ``event``; raise CaptureFailed otherwise."""
+        try:
+            producer = await self._ready_producer()
+            await asyncio.wait_for(producer.send(event), self.timeout_s)
+        except (TransportError, TimeoutError, OSError) as exc:
+            self.failures += 1
+            await self._discard_producer()
+            raise CaptureFailed(f"the call could not be recorded (Kafka: {exc!r}); retry shortly") from exc
+        self.recorded += 1
+
+    async def _discard_producer(self) -> None:
+        async with self._lock:
+            producer, self._producer = self._producer, None
+        if producer is not None:
+            # Stopping flushes; with the broker gone that can hang, so let it finish in the background.
+            asyncio.get_running_loop().create_task(producer.stop())
+
+    @property
+    def connected(self) -> bool:
+        return self._producer is not None

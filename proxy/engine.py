@@ -1,0 +1,323 @@
+"""The upstream engine: vLLM's OpenAI server, called with chat completions that return token data.
+
+Every provider API is normalized into one request form and sent here as a chat completion with
+``return_token_ids`` and ``logprobs``, the model pinned to the served model. Replies come back as an
+:class:`EngineTurn` (whole) or a sequence of :class:`EngineDelta` (streamed) that a
+:class:`TurnAssembler` folds into the same turn. httpx errors become :mod:`proxy.errors` exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from proxy.errors import (
+    BadRequest,
+    ContextOverflow,
+    EngineFailed,
+    EngineTimeout,
+    EngineUnavailable,
+    ProxyError,
+)
+from proxy.settings import ProxySettings
+from schemas.completions import ChatMessage, NormalizedRequest, ToolCall, Usage
+from schemas.tasks import EngineParams
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class EngineDelta:
+    """One streamed chunk of the engine's reply, with the tokens it carries."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    usage: Usage | None = None
+
+    @property
+    def has_text(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+@dataclass(slots=True)
+class EngineTurn:
+    """The engine's whole reply to one call."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float | None]
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str | None
+    usage: Usage
+    response_id: str | None = None
+
+
+class TurnAssembler:
+    """Folds streamed deltas into an :class:`EngineTurn`."""
+
+    def __init__(self) -> None:
+        self.prompt_token_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._calls: dict[int, ToolCallDelta] = {}
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    def add(self, delta: EngineDelta) -> None:
+        if delta.prompt_token_ids is not None:
+            self.prompt_token_ids = delta.prompt_token_ids
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.content:
+            self._content.append(delta.content)
+        if delta.reasoning:
+            self._reasoning.append(delta.reasoning)
+        for part in delta.tool_calls:
+            call = self._calls.setdefault(part.index, ToolCallDelta(part.index))
+            call.id = call.id or part.id
+            call.name = call.name or part.name
+            call.arguments += part.arguments
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+        if delta.usage is not None:
+            self.usage = delta.usage
+
+    def turn(self) -> EngineTurn:
+        calls = [ToolCall(id=c.id or f"call_{i}", name=c.name or "", arguments=c.arguments)
+                 for i, c in sorted(self._calls.items())]
+        usage = self.usage or Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
+        return EngineTurn(self.prompt_token_ids, self.token_ids, self.logprobs, "".join(self._content) or None,
+                          "".join(self._reasoning) or None, calls, self.finish_reason, usage)
+
+
+def _engine_message(message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role}
+    if isinstance(message.content, list):
+        parts = []
+        for part in message.content:
+            if part.type != "text":
+                raise BadRequest("this engine takes text only: remove image content from the request",
+                                 param="messages")
+            parts.append({"type": "text", "text": part.text or ""})
+        out["content"] = parts
+    else:
+        out["content"] = message.content
+    if message.reasoning:
+        out["reasoning"] = message.reasoning
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None and role != "tool":
+        out["name"] = message.name
+    return out
+
+
+def engine_body(request: NormalizedRequest, model: str, overrides: EngineParams, *, stream: bool) -> dict[str, Any]:
+    """The vLLM chat completion body for a normalized request; the session's parameters win."""
+    sampling = request.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [_engine_message(m) for m in request.messages],
+        "stream": stream,
+        "return_token_ids": True,
+        "logprobs": True,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description or "",
+            "parameters": t.parameters or {"type": "object", "properties": {}}}} for t in request.tools]
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
+    values = {
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "max_tokens": sampling.max_tokens, "seed": sampling.seed,
+        "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+    }
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+        fixed = getattr(overrides, name)
+        if fixed is not None:
+            values[name] = fixed
+    body.update({k: v for k, v in values.items() if v is not None})
+    if sampling.stop:
+        body["stop"] = sampling.stop
+    if request.reasoning_effort is not None:
+        body["reasoning_effort"] = request.reasoning_effort
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = request.chat_template_kwargs
+    body.update(sampling.extra)
+    body.update(overrides.extra)
+    return body
+
+
+def _logprob_values(logprobs: Any) -> list[float | None]:
+    if not logprobs or not logprobs.get("content"):
+        return []
+    return [entry.get("logprob") for entry in logprobs["content"]]
+
+
+def _usage(raw: Any) -> Usage | None:
+    if not raw:
+        return None
+    details = raw.get("prompt_tokens_details") or {}
+    return Usage(prompt_tokens=raw.get("prompt_tokens") or 0, completion_tokens=raw.get("completion_tokens") or 0,
+                 cached_tokens=details.get("cached_tokens"))
+
+
+def parse_chunk(chunk: dict[str, Any]) -> EngineDelta:
+    """An :class:`EngineDelta` from one vLLM ``chat.completion.chunk``."""
+    delta = EngineDelta(prompt_token_ids=chunk.get("prompt_token_ids"), usage=_usage(chunk.get("usage")))
+    for choice in chunk.get("choices") or ():
+        message = choice.get("delta") or {}
+        delta.content = message.get("content") or None
+        delta.reasoning = message.get("reasoning") or message.get("reasoning_content") or None
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            delta.tool_calls.append(ToolCallDelta(index=call.get("index", 0), id=call.get("id"),
+                                                  name=function.get("name"), arguments=function.get("arguments") or ""))
+        delta.finish_reason = choice.get("finish_reason")
+        delta.token_ids = choice.get("token_ids") or []
+        delta.logprobs = _logprob_values(choice.get("logprobs"))
+    return delta
+
+
+def parse_response(body: dict[str, Any]) -> EngineTurn:
+    """An :class:`EngineTurn` from a whole vLLM ``chat.completion``."""
+    try:
+        choice = body["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise EngineFailed(f"engine reply has no choices[0].message: {str(body)[:200]}") from exc
+    calls = [ToolCall(id=c.get("id") or f"call_{i}", name=c["function"]["name"],
+                      arguments=c["function"].get("arguments") or "")
+             for i, c in enumerate(message.get("tool_calls") or ())]
+    token_ids = choice.get("token_ids") or []
+    return EngineTurn(
+        prompt_token_ids=body.get("prompt_token_ids") or [],
+        token_ids=token_ids,
+        logprobs=_logprob_values(choice.get("logprobs")),
+        content=message.get("content"),
+        reasoning=message.get("reasoning") or message.get("reasoning_content"),
+        tool_calls=calls,
+        finish_reason=choice.get("finish_reason"),
+        usage=_usage(body.get("usage")) or Usage(completion_tokens=len(token_ids)),
+        response_id=body.get("id"),
+    )
+
+
+def _error_from_response(status: int, text: str) -> ProxyError:
+    try:
+        detail = json.loads(text)
+        message = detail.get("error", {}).get("message") if isinstance(detail.get("error"), dict) else None
+        message = message or detail.get("message") or text
+    except (ValueError, AttributeError):
+        message = text
+    message = str(message)[:2000]
+    lowered = message.lower()
+    if status == 400 and ("context length" in lowered or "maximum context" in lowered
+                          or "too long" in lowered or "max_model_len" in lowered):
+        return ContextOverflow(f"the prompt does not fit the engine's context window: {message}")
+    if 400 <= status < 500:
+        return BadRequest(f"the engine refused the request: {message}")
+    return EngineFailed(f"the engine failed with HTTP {status}: {message}")
+
+
+class VllmEngine:
+    """An httpx client for one vLLM OpenAI server; use as an async context manager."""
+
+    def __init__(self, settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = settings.engine_url.rstrip("/")
+        self._served_model = settings.served_model
+        timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_connect_timeout_s)
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits, transport=transport)
+
+    async def __aenter__(self) -> VllmEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def served_model(self) -> str:
+        """The model name sent upstream: configured, or the first one the engine lists."""
+        if self._served_model is None:
+            try:
+                response = await self._client.get("/v1/models")
+                response.raise_for_status()
+                self._served_model = response.json()["data"][0]["id"]
+            except httpx.HTTPError as exc:
+                raise _translate(exc) from exc
+            except (KeyError, IndexError, ValueError) as exc:
+                raise EngineFailed(f"engine at {self.url} lists no models") from exc
+        return self._served_model
+
+    async def complete(self, body: dict[str, Any]) -> EngineTurn:
+        try:
+            response = await self._client.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise _translate(exc) from exc
+        if response.status_code != 200:
+            raise _error_from_response(response.status_code, response.text)
+        try:
+            return parse_response(response.json())
+        except ValueError as exc:
+            raise EngineFailed(f"engine reply is not JSON: {response.text[:200]}") from exc
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[EngineDelta]:
+        """The engine's streamed reply, chunk by chunk; closing the iterator cancels the request."""
+        try:
+            async with self._client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise _error_from_response(response.status_code, (await response.aread()).decode(errors="replace"))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    try:
+                        chunk = json.loads(payload)
+                    except ValueError as exc:
+                        raise EngineFailed(f"engine sent a chunk that is not JSON: {payload[:200]}") from exc
+                    if "error" in chunk and "choices" not in chunk:
+                        error = chunk["error"]
+                        raise EngineFailed(f"engine failed mid-stream: {error.get('message', error)}")
+                    yield parse_chunk(chunk)
+        except httpx.HTTPError as exc:
+            raise _translate(exc) from exc
+
+
+def _translate(exc: httpx.HTTPError) -> ProxyError:
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+        return EngineUnavailable(f"the engine cannot be reached: {exc!r}")
+    if isinstance(exc, httpx.TimeoutException):
+        return EngineTimeout(f"the engine did not answer in time: {exc!r}")
+    if isinstance(exc, httpx.HTTPStatusError):
+        return _error_from_response(exc.response.status_code, exc.response.text)
+    return EngineFailed(f"the engine connection failed: {exc!r}")

@@ -1,0 +1,86 @@
+"""Exceptions raised while serving a model call; each provider's handler renders them in its own shape.
+
+Every error names the ``CallError.kind`` recorded in the completion event and the HTTP status the
+harness sees. Retryable ones (engine down, capture failed) use 5xx so that SDKs retry them.
+"""
+
+from __future__ import annotations
+
+from schemas.completions import CallError
+
+
+class ProxyError(Exception):
+    """Base class: a model call that cannot be served as asked."""
+
+    kind: str = "internal"
+    status_code: int = 500
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if param is not None:
+            self.param = param
+
+    def call_error(self) -> CallError:
+        return CallError(kind=self.kind, message=self.message, http_status=self.status_code)
+
+
+class BadRequest(ProxyError):
+    """The request is malformed or asks for something unsupported."""
+
+    kind, status_code = "bad_request", 400
+
+
+class PayloadTooLarge(BadRequest):
+    """The request body is over the configured limit."""
+
+    status_code = 413
+
+
+class UnsupportedMediaType(BadRequest):
+    """The request body is not JSON."""
+
+    status_code = 415
+
+
+class UnknownSession(ProxyError):
+    """The path or key names no registered, live session."""
+
+    kind, status_code = "unknown_session", 401
+
+
+class ContextOverflow(ProxyError):
+    """The prompt plus the requested tokens exceed the engine's context window."""
+
+    kind, status_code = "context_overflow", 400
+
+
+class EngineUnavailable(ProxyError):
+    """The engine cannot be reached."""
+
+    kind, status_code = "engine_unavailable", 503
+
+
+class EngineTimeout(ProxyError):
+    """The engine did not answer in time."""
+
+    kind, status_code = "engine_timeout", 504
+
+
+class EngineFailed(ProxyError):
+    """The engine answered with an error or with something unusable."""
+
+    kind, status_code = "engine_error", 502
+
+
+class CaptureFailed(ProxyError):
+    """The completion event could not be recorded, so the reply is withheld (retryable)."""
+
+    kind, status_code = "capture_failed", 503
+
+
+class ClientDisconnected(ProxyError):
+    """The harness went away before the reply was complete (recorded, never sent)."""
+
+    kind, status_code = "client_disconnected", 499

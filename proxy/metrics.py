@@ -1,0 +1,35 @@
+"""Prometheus metrics for the proxy: requests, errors, latency, and completion events by status."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ProxyMetrics:
+    """One registry per app, so that several apps (tests) do not share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("rollwire_proxy_requests", "Model calls received.", ["api", "status"],
+                                registry=self.registry)
+        self.errors = Counter("rollwire_proxy_errors", "Model calls that failed, by kind.", ["api", "kind"],
+                              registry=self.registry)
+        self.latency = Histogram("rollwire_proxy_request_seconds", "Time to serve a model call.", ["api"],
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.events = Counter("rollwire_proxy_completion_events", "Completion events recorded, by status.",
+                              ["status"], registry=self.registry)
+        self.sessions = Gauge("rollwire_proxy_sessions", "Sessions the registry knows, by state.", ["state"],
+                              registry=self.registry)
+
+    def error(self, api: str, kind: str) -> None:
+        self.errors.labels(api=api, kind=kind).inc()
+
+    def event(self, status: str) -> None:
+        self.events.labels(status=status).inc()
+
+    def render(self, session_counts: dict[str, int]) -> bytes:
+        for state, count in session_counts.items():
+            self.sessions.labels(state=state).set(count)
+        return generate_latest(self.registry)

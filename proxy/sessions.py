@@ -1,0 +1,155 @@
+"""The proxy's session registry: which sessions are live, found by id or by the key a harness sends.
+
+The registry is a view of two topics: ``sessions`` (compacted specs) and ``session-events`` (their
+ends), read from the beginning by every proxy instance. The proxy never invents a session: an id or key
+the registry does not know, after a short wait for it to catch up, is refused. Per-session call numbers
+(``sequence``) and the digests that identify SDK retries live here too; they are this instance's, so a
+session's calls should be routed to one proxy instance (as a key-hashing load balancer does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from proxy.errors import UnknownSession
+from schemas.envelope import Event
+from schemas.sessions import SessionEnded, SessionSpec
+from schemas.topics import Topic
+from schemas.transport import EventConsumer, KafkaSettings
+from schemas.transport.errors import TransportError
+
+logger = logging.getLogger(__name__)
+
+_RECENT_DIGESTS = 32
+
+
+@dataclass
+class LiveSession:
+    """A registered session as the proxy tracks it."""
+
+    spec: SessionSpec
+    ended: bool = False
+    next_sequence: int = 0
+    recent: OrderedDict[str, int] = field(default_factory=OrderedDict)
+
+    @property
+    def session_id(self) -> str:
+        return self.spec.session_id
+
+    def take_sequence(self, digest: str | None, retry_count: int) -> tuple[int, int | None]:
+        """Number this call; for an SDK retry of an earlier identical body, also return that call's number."""
+        sequence = self.next_sequence
+        self.next_sequence += 1
+        retry_of = self.recent.get(digest) if digest is not None and retry_count > 0 else None
+        if digest is not None:
+            self.recent[digest] = sequence if retry_of is None else retry_of
+            self.recent.move_to_end(digest)
+            while len(self.recent) > _RECENT_DIGESTS:
+                self.recent.popitem(last=False)
+        return sequence, retry_of
+
+
+class SessionRegistry:
+    """Live sessions by id and by API key."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, LiveSession] = {}
+        self._by_key: dict[str, str] = {}
+        self._changed = asyncio.Condition()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def counts(self) -> dict[str, int]:
+        ended = sum(1 for s in self._by_id.values() if s.ended)
+        return {"live": len(self._by_id) - ended, "ended": ended}
+
+    async def apply(self, event: Event) -> None:
+        """Take a spec or an end event into the registry."""
+        if isinstance(event, SessionSpec):
+            current = self._by_id.get(event.session_id)
+            if current is None:
+                self._by_id[event.session_id] = LiveSession(event)
+            else:
+                current.spec = event
+            if event.api_key:
+                self._by_key[event.api_key] = event.session_id
+        elif isinstance(event, SessionEnded):
+            session = self._by_id.get(event.session_id)
+            if session is not None:
+                session.ended = True
+        else:
+            return
+        async with self._changed:
+            self._changed.notify_all()
+
+    def get(self, session_id: str) -> LiveSession | None:
+        return self._by_id.get(session_id)
+
+    def _lookup(self, session_id: str | None, api_key: str | None) -> LiveSession | None:
+        if session_id is not None:
+            return self._by_id.get(session_id)
+        if api_key is not None and api_key in self._by_key:
+            return self._by_id.get(self._by_key[api_key])
+        return None
+
+    async def resolve(self, session_id: str | None, api_key: str | None, wait_s: float = 0.0) -> LiveSession:
+        """The live session a call names by path or key; UnknownSession if there is none."""
+        if session_id is None and not api_key:
+            raise UnknownSession("no session: call /s/{session_id}/v1/... or send the session's API key")
+        session = self._lookup(session_id, api_key)
+        if session is None and wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with self._changed:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self._lookup(session_id, api_key) is not None), wait_s)
+            session = self._lookup(session_id, api_key)
+        if session is None:
+            named = f"session {session_id!r}" if session_id is not None else "this API key"
+            raise UnknownSession(f"{named} is not a registered rollwire session; register it first "
+                                 "(POST /v1/sessions or a rollout task)")
+        if session.ended:
+            raise UnknownSession(f"session {session.session_id!r} has ended")
+        return session
+
+
+class RegistryFeed:
+    """Keeps a :class:`SessionRegistry` up to date from Kafka in a background task."""
+
+    def __init__(self, settings: KafkaSettings, registry: SessionRegistry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.caught_up = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="rollwire-session-registry")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except TransportError as exc:
+                logger.warning("session registry lost Kafka (%s); retrying in 2 s", exc)
+                await asyncio.sleep(2)
+
+    async def _follow(self) -> None:
+        async with EventConsumer(self.settings, [Topic.SESSIONS, Topic.SESSION_EVENTS], group_id=None,
+                                 service="proxy-registry", dead_letters=False) as consumer:
+            while True:
+                for received in await consumer.getmany(timeout_ms=200):
+                    await self.registry.apply(received.event)
+                if not self.caught_up.is_set() and await consumer.lag() == 0:
+                    self.caught_up.set()

@@ -1,0 +1,37 @@
+"""Proxy settings, read from the environment (``ROLLWIRE_*``) with the embedded defaults."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ProxySettings(BaseSettings):
+    """How the proxy listens, which engine it calls, and its limits. Every field reads ``ROLLWIRE_<FIELD>``.
+
+    ``ROLLWIRE_ENGINE_URL`` (default ``http://127.0.0.1:18000``, the embedded vLLM CPU server) names the
+    upstream vLLM OpenAI server; ``ROLLWIRE_SERVED_MODEL`` pins the model name sent upstream (default:
+    the first model the engine lists).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ROLLWIRE_", extra="ignore")
+
+    engine_url: str = "http://127.0.0.1:18000"
+    served_model: str | None = None
+    proxy_host: str = "127.0.0.1"
+    proxy_port: int = 18080
+    proxy_public_url: str | None = Field(default=None, description="Base URL harnesses use, if not host:port.")
+    proxy_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    engine_connect_timeout_s: float = Field(default=5.0, gt=0)
+    engine_timeout_s: float = Field(default=600.0, gt=0, description="Longest wait for the engine's reply.")
+    capture_timeout_s: float = Field(default=15.0, gt=0, description="Longest wait for Kafka to ack an event.")
+    session_wait_s: float = Field(default=3.0, ge=0, description=(
+        "How long an unknown session id or key waits for the registry to catch up before a 401."))
+    upstream_stream: bool = Field(default=True, description=(
+        "Relay the engine's stream; when false, call the engine whole and synthesize the stream."))
+    record_request_body: bool = Field(default=False, description=(
+        "Keep the original request body in events besides its sha256 digest (larger events)."))
+
+    @property
+    def public_url(self) -> str:
+        return self.proxy_public_url or f"http://{self.proxy_host}:{self.proxy_port}"

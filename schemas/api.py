@@ -1,0 +1,49 @@
+"""HTTP API models shared between services and their callers (the proxy's session API)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from schemas.envelope import Model
+from schemas.sessions import SessionStatus
+from schemas.tasks import AgentSpec, BuilderName, EngineParams
+
+
+class SessionCreate(Model):
+    """POST /v1/sessions: register an ad-hoc session, e.g. to record a harness run by hand."""
+
+    session_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    api_key: str | None = Field(default=None, min_length=8, max_length=256)
+    task_id: str | None = None
+    agent: AgentSpec | None = None
+    builder: BuilderName = "prefix_merging"
+    engine: EngineParams = Field(default_factory=EngineParams)
+    policy_version: str | None = None
+    timeout_s: float = Field(default=86400.0, gt=0)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionCreated(Model):
+    """The registered session and the base URLs a harness points at."""
+
+    session_id: str
+    api_key: str
+    base_urls: dict[str, str] = Field(description="Per provider API: the base URL to configure in the harness.")
+
+
+class SessionEnd(Model):
+    """POST /v1/sessions/{id}/end: close a session (its calls are refused afterwards)."""
+
+    status: SessionStatus = SessionStatus.COMPLETED
+    reason: str | None = None
+
+
+class SessionState(Model):
+    """GET /v1/sessions/{id}."""
+
+    session_id: str
+    live: bool
+    calls: int
+    origin: str
