@@ -15,3 +15,7 @@ class ResolveError(DeployError):
 
 class BrokerStartError(DeployError):
     """The broker process died or did not answer in time."""
+
+
+class EngineStartError(DeployError):
+    """The model engine (vLLM) could not be installed or did not become ready."""

@@ -174,7 +174,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         if (failed := await _publish(state, spec)) is not None:
             return failed
         await state.registry.apply(spec)  # read-your-writes: usable at once on this instance
-        base = f"{settings.public_url}/s/{session_id}"
+        public = settings.proxy_public_url or str(request.base_url).rstrip("/")
+        base = f"{public}/s/{session_id}"
         return SessionCreated(session_id=session_id, api_key=api_key,
                               base_urls={"openai": f"{base}/v1", "anthropic": base, "gemini": base})
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Protocol
 
 from proxy.capture import CallContext, Recorder, completion_event
-from proxy.engine import EngineDelta, EngineTurn, TurnAssembler, VllmEngine, engine_body
+from proxy.engine import EngineDelta, EngineTurn, TurnAssembler, VllmEngine, effective_request, engine_body
 from proxy.errors import CaptureFailed, ClientDisconnected, EngineFailed, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.sessions import LiveSession
@@ -55,15 +55,16 @@ class CallService:
         except CaptureFailed as exc:
             logger.warning("failed call %s/%d not recorded: %s", ctx.session_id, ctx.sequence, exc)
 
-    async def _body(self, session: LiveSession, request: NormalizedRequest, stream: bool) -> tuple[dict, str]:
+    async def _body(self, request: NormalizedRequest, stream: bool) -> tuple[dict, str]:
         model = await self.engine.served_model()
-        return engine_body(request, model, session.spec.engine, stream=stream), model
+        return engine_body(request, model, stream=stream), model
 
     async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest) -> EngineTurn:
         """Call the engine, record the event, and return the turn (raises ProxyError)."""
+        request = effective_request(request, session.spec.engine)
         turn: EngineTurn | None = None
         try:
-            body, ctx.served_model = await self._body(session, request, stream=False)
+            body, ctx.served_model = await self._body(request, stream=False)
             ctx.upstream_started_at = utcnow()
             turn = await self.engine.complete(body)
             ctx.first_token_at = utcnow()
@@ -86,11 +87,12 @@ class CallService:
             async for chunk in self._synthetic_stream(ctx, session, request, renderer):
                 yield chunk
             return
+        request = effective_request(request, session.spec.engine)
         assembler = TurnAssembler()
         outcome = "aborted"
         started = False  # once a chunk is out, errors can only be told in the stream itself
         try:
-            body, ctx.served_model = await self._body(session, request, stream=True)
+            body, ctx.served_model = await self._body(request, stream=True)
             ctx.upstream_started_at = utcnow()
             deltas = self.engine.stream(body)
             try:

@@ -134,8 +134,18 @@ def _engine_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def engine_body(request: NormalizedRequest, model: str, overrides: EngineParams, *, stream: bool) -> dict[str, Any]:
-    """The vLLM chat completion body for a normalized request; the session's parameters win."""
+def effective_request(request: NormalizedRequest, overrides: EngineParams) -> NormalizedRequest:
+    """The request with the session's fixed sampling parameters in place of the harness's."""
+    fixed = {name: getattr(overrides, name) for name in ("temperature", "top_p", "top_k", "max_tokens", "seed")
+             if getattr(overrides, name) is not None}
+    if not fixed and not overrides.extra:
+        return request
+    sampling = request.sampling.model_copy(update={**fixed, "extra": {**request.sampling.extra, **overrides.extra}})
+    return request.model_copy(update={"sampling": sampling})
+
+
+def engine_body(request: NormalizedRequest, model: str, *, stream: bool) -> dict[str, Any]:
+    """The vLLM chat completion body for a normalized request (overrides already applied)."""
     sampling = request.sampling
     body: dict[str, Any] = {
         "model": model,
@@ -157,10 +167,6 @@ def engine_body(request: NormalizedRequest, model: str, overrides: EngineParams,
         "max_tokens": sampling.max_tokens, "seed": sampling.seed,
         "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
     }
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
-        fixed = getattr(overrides, name)
-        if fixed is not None:
-            values[name] = fixed
     body.update({k: v for k, v in values.items() if v is not None})
     if sampling.stop:
         body["stop"] = sampling.stop
@@ -169,7 +175,6 @@ def engine_body(request: NormalizedRequest, model: str, overrides: EngineParams,
     if request.chat_template_kwargs:
         body["chat_template_kwargs"] = request.chat_template_kwargs
     body.update(sampling.extra)
-    body.update(overrides.extra)
     return body
 
 

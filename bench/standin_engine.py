@@ -1,0 +1,286 @@
+"""A stand-in for vLLM's OpenAI server, for fast tests and benchmarks (no model, fixed latency).
+
+Its replies have the shapes recorded from the real vLLM CPU server (``tests/fixtures/vllm/``): the
+whole reply and every stream chunk are built from a recorded template, with only ids, text, token ids
+and logprobs filled in. "Tokenization" is one token per UTF-8 byte of a ChatML rendering of the
+messages, so a later turn's prompt extends an earlier turn's prompt by prefix, as with a real template.
+
+Like the real server it honours ``structured_outputs.regex`` holding a literal (that is how tests force
+a tool call): the reply is that text, and a ``<tool_call>{json}</tool_call>`` reply comes back as
+``tool_calls`` when tools were offered. Failure modes are chosen per request with the
+``x-standin-fail`` header or the ``standin_fail`` body field (a session can set it through its engine extras): ``overflow`` (vLLM's context-length 400), ``error`` (500), ``hang``
+(no answer), ``cut`` (the stream breaks off midway).
+
+    python -m bench.standin_engine --port 18001 --latency-ms 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import hashlib
+import json
+import re
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm"
+_WORDS = ("the", "file", "test", "def", "return", "import", "fix", "value", "error", "path", "self", "run")
+
+
+@dataclass
+class StandinConfig:
+    model: str = "rollwire-tiny"
+    latency_ms: float = 20.0
+    reply_tokens: int = 24
+    token_interval_ms: float = 0.0
+    max_model_len: int = 262_144
+    chunk_tokens: int = 1
+
+
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def render_prompt(body: dict[str, Any]) -> str:
+    """A ChatML-like rendering; only its determinism and prefix property matter here."""
+    parts = []
+    if body.get("tools"):
+        parts.append("<|im_start|>system\n# Tools\n" + json.dumps(body["tools"], sort_keys=True) + "<|im_end|>\n")
+    for message in body.get("messages", []):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content)
+        text = content or ""
+        if message.get("reasoning"):
+            text = f"<think>{message['reasoning']}</think>" + text
+        for call in message.get("tool_calls") or ():
+            text += "<tool_call>" + json.dumps(call.get("function"), sort_keys=True) + "</tool_call>"
+        parts.append(f"<|im_start|>{message.get('role')}\n{text}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def tokenize(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _regex_literal(pattern: str) -> str | None:
+    """The text a regex made of escaped literals matches, or None if it is not such a regex."""
+    out, i = [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            out.append({"n": "\n", "t": "\t"}.get(nxt, nxt))
+            i += 2
+            continue
+        if ch in ".*+?[]()|^$":
+            return None
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _reply_text(body: dict[str, Any], prompt_ids: list[int], n_tokens: int) -> str:
+    forced = (body.get("structured_outputs") or {}).get("regex")
+    if forced:
+        literal = _regex_literal(forced)
+        if literal is not None:
+            return literal
+    seed = int.from_bytes(hashlib.sha256(bytes(prompt_ids[-256:]) + str(body.get("seed")).encode()).digest()[:4], "big")
+    words = [_WORDS[(seed >> (i % 24) ^ i * 7) % len(_WORDS)] for i in range(max(1, n_tokens // 2))]
+    return " ".join(words)
+
+
+def _logprob(token: int, position: int) -> float:
+    raw = -((token * 2654435761 + position * 40503) % 10_000) / 2500.0
+    return struct.unpack("f", struct.pack("f", raw))[0]  # float32, as vLLM computes them
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def _tool_calls(text: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    if not body.get("tools") or body.get("tool_choice") == "none":
+        return []
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            continue
+        calls.append({"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+                      "function": {"name": call.get("name", ""),
+                                   "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
+    return calls
+
+
+class Standin:
+    """The stand-in server's state and handlers."""
+
+    def __init__(self, config: StandinConfig) -> None:
+        self.config = config
+        self.whole_template = _load("chat_whole.json")["response"]
+        self.tool_message_template = _load("tool_call_whole.json")["response"]["choices"][0]["message"]
+        stream = _load("chat_stream.json")["chunks"]
+        self.first_chunk, self.middle_chunk = stream[0], stream[1]
+        self.final_chunk = next(c for c in stream if c["choices"] and c["choices"][0].get("finish_reason"))
+        self.usage_chunk = next(c for c in stream if not c["choices"])
+        self.error_template = _load("error_context_overflow.json")["response"]
+        self.requests = 0
+
+    def _error(self, status: int, message: str) -> JSONResponse:
+        body = copy.deepcopy(self.error_template)
+        body["error"]["message"] = message
+        body["error"]["code"] = status
+        return JSONResponse(body, status_code=status)
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model",
+                                                          "owned_by": "vllm", "max_model_len": self.config.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        ids = tokenize(render_prompt(body) if "messages" in body else body.get("prompt", ""))
+        return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    async def chat(self, request: Request) -> Response:
+        self.requests += 1
+        body = await request.json()
+        fail = request.headers.get("x-standin-fail") or body.get("standin_fail")
+        prompt_ids = tokenize(render_prompt(body))
+        max_tokens = body.get("max_tokens") or self.config.reply_tokens
+        if fail == "overflow" or len(prompt_ids) + max_tokens > self.config.max_model_len:
+            return self._error(400, f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                                    f"However, your request has {len(prompt_ids) + max_tokens} input tokens.")
+        if fail == "error":
+            return self._error(500, "EngineCore encountered an issue.")
+        if fail == "hang":
+            await asyncio.sleep(3600)
+        await asyncio.sleep(self.config.latency_ms / 1000)
+        text = _reply_text(body, prompt_ids, min(max_tokens, self.config.reply_tokens))
+        ids = tokenize(text)[:max_tokens]
+        text = bytes(ids).decode("utf-8", errors="ignore")
+        finish = "length" if len(tokenize(_reply_text(body, prompt_ids, self.config.reply_tokens))) > max_tokens else "stop"
+        calls = _tool_calls(text, body) if finish == "stop" else []
+        if calls:
+            finish = "tool_calls"
+        if body.get("stream"):
+            return StreamingResponse(self._stream(body, prompt_ids, ids, text, calls, finish, fail == "cut"),
+                                     media_type="text/event-stream")
+        response = copy.deepcopy(self.whole_template)
+        response.update(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.get("model"),
+                        prompt_token_ids=prompt_ids)
+        choice = response["choices"][0]
+        if calls:
+            choice["message"] = {**copy.deepcopy(self.tool_message_template), "tool_calls": calls}
+        else:
+            choice["message"]["content"] = text
+        choice["finish_reason"] = finish
+        choice["token_ids"] = ids
+        choice["logprobs"] = {"content": [self._logprob_entry(t, i) for i, t in enumerate(ids)]}
+        response["usage"].update(prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
+                                 total_tokens=len(prompt_ids) + len(ids))
+        return JSONResponse(response)
+
+    def _logprob_entry(self, token: int, position: int) -> dict[str, Any]:
+        return {"token": bytes([token]).decode("utf-8", errors="replace"), "logprob": _logprob(token, position),
+                "bytes": [token], "top_logprobs": []}
+
+    async def _stream(self, body: dict[str, Any], prompt_ids: list[int], ids: list[int], text: str,
+                      calls: list[dict[str, Any]], finish: str, cut: bool):
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.get("model")
+
+        def chunk(template: dict[str, Any], **choice: Any) -> bytes:
+            out = copy.deepcopy(template)
+            out.update(id=rid, created=created, model=model)
+            if out.get("choices"):
+                out["choices"][0].update(choice)
+            return b"data: " + json.dumps(out).encode() + b"\n\n"
+
+        first = copy.deepcopy(self.first_chunk)
+        first["prompt_token_ids"] = prompt_ids
+        yield chunk(first)
+        step = max(1, self.config.chunk_tokens)
+        pieces = [ids[i:i + step] for i in range(0, len(ids), step)]
+        deltas = self._tool_call_deltas(calls, len(pieces)) if calls else None
+        for n, piece in enumerate(pieces):
+            if cut and n == len(pieces) // 2:
+                raise ConnectionError("stand-in cut the stream")
+            last = n == len(pieces) - 1
+            template = self.final_chunk if last else self.middle_chunk
+            lps = {"content": [self._logprob_entry(t, n * step + j) for j, t in enumerate(piece)]}
+            if deltas is not None:
+                delta = deltas[n]
+            else:
+                delta = {"content": bytes(piece).decode("utf-8", errors="ignore")}
+            yield chunk(template, delta=delta, token_ids=piece, logprobs=lps, finish_reason=finish if last else None)
+            if self.config.token_interval_ms:
+                await asyncio.sleep(self.config.token_interval_ms / 1000)
+        usage = copy.deepcopy(self.usage_chunk)
+        usage["usage"].update(prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
+                              total_tokens=len(prompt_ids) + len(ids))
+        yield chunk(usage)
+        yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def _tool_call_deltas(calls: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+        """Per-token deltas shaped like vLLM's hermes parser output: silent tokens ({}), one delta with
+        the call's id and name, then the arguments in pieces, and {} on the closing token."""
+        deltas: list[dict[str, Any]] = [{} for _ in range(n)]
+        slots = list(range(1, max(1, n - 1)))
+        per_call = max(1, len(slots) // max(1, len(calls)))
+        for i, call in enumerate(calls):
+            mine = slots[i * per_call:(i + 1) * per_call] or [min(n - 1, i)]
+            head = {"id": call["id"], "type": "function", "index": i, "function": {"name": call["function"]["name"]}}
+            deltas[mine[0]] = {"content": None, "tool_calls": [head]}
+            arguments, rest = call["function"]["arguments"], mine[1:] or [mine[0]]
+            size = -(-len(arguments) // len(rest))
+            for j, slot in enumerate(rest):
+                part = arguments[j * size:(j + 1) * size]
+                if part:
+                    entry = {"index": i, "function": {"arguments": part}}
+                    existing = deltas[slot].get("tool_calls")
+                    deltas[slot] = {"content": None, "tool_calls": (existing or []) + [entry]}
+        return deltas
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/models", self.models), Route("/health", self.health),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ])
+
+
+def create_app(config: StandinConfig | None = None) -> Starlette:
+    return Standin(config or StandinConfig()).app()
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Stand-in vLLM server with recorded shapes.")
+    parser.add_argument("--port", type=int, default=18001)
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--reply-tokens", type=int, default=24)
+    args = parser.parse_args()
+    config = StandinConfig(latency_ms=args.latency_ms, reply_tokens=args.reply_tokens)
+    uvicorn.run(create_app(config), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

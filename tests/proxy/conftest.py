@@ -1,0 +1,58 @@
+"""Fixtures for proxy tests: the stand-in engine (recorded vLLM shapes) and a proxy on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from bench.standin_engine import StandinConfig, create_app as create_standin
+from proxy.app import create_app
+from proxy.settings import ProxySettings
+from schemas.completions import Completion
+from schemas.topics import Topic
+from schemas.transport import EventConsumer, KafkaSettings
+from tests.servers import serve
+
+
+@pytest.fixture(scope="module")
+def standin_url() -> Iterator[str]:
+    with serve(create_standin(StandinConfig(latency_ms=1, reply_tokens=16))) as url:
+        yield url
+
+
+@dataclass
+class ProxyUnderTest:
+    url: str
+    kafka: KafkaSettings
+
+    def new_session(self, **body: object) -> dict:
+        response = httpx.post(f"{self.url}/v1/sessions", json=body, timeout=30)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    async def completions(self, want: int, timeout_s: float = 20.0) -> list[Completion]:
+        """The completion events on this proxy's topic, waiting until ``want`` are there."""
+        got: list[Completion] = []
+        async with EventConsumer(self.kafka, [Topic.COMPLETIONS], group_id=None, dead_letters=False) as consumer:
+            async def loop() -> None:
+                while len(got) < want:
+                    got.extend(r.event for r in await consumer.getmany(timeout_ms=300))
+            await asyncio.wait_for(loop(), timeout_s)
+            got.extend(r.event for r in await consumer.getmany(timeout_ms=300))
+        return sorted(got, key=lambda e: (e.session_id, e.sequence))
+
+
+def proxy_settings(engine_url: str, **overrides: object) -> ProxySettings:
+    values = dict(engine_url=engine_url, session_wait_s=0.3, capture_timeout_s=5.0, engine_timeout_s=10.0)
+    values.update(overrides)
+    return ProxySettings(**values)
+
+
+@pytest.fixture
+def proxy(kafka: KafkaSettings, standin_url: str) -> Iterator[ProxyUnderTest]:
+    with serve(create_app(proxy_settings(standin_url), kafka)) as url:
+        yield ProxyUnderTest(url, kafka)
