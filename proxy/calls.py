@@ -64,6 +64,7 @@ class CallService:
         request = effective_request(request, session.spec.engine)
         turn: EngineTurn | None = None
         try:
+            await self.recorder.ensure_ready()
             body, ctx.served_model = await self._body(request, stream=False)
             ctx.upstream_started_at = utcnow()
             turn = await self.engine.complete(body)
@@ -92,6 +93,7 @@ class CallService:
         outcome = "aborted"
         started = False  # once a chunk is out, errors can only be told in the stream itself
         try:
+            await self.recorder.ensure_ready()
             body, ctx.served_model = await self._body(request, stream=True)
             ctx.upstream_started_at = utcnow()
             deltas = self.engine.stream(body)

@@ -121,6 +121,17 @@ class Recorder:
             await self._producer.stop()
             self._producer = None
 
+    async def ensure_ready(self) -> None:
+        """Fail fast (CaptureFailed) when no producer can be had, before any token is served."""
+        if self._producer is not None:
+            return
+        try:
+            await self._ready_producer()
+        except (TransportError, TimeoutError, OSError) as exc:
+            self.failures += 1
+            raise CaptureFailed(f"Kafka is unavailable, so the call cannot be recorded ({exc!r}); "
+                                "retry shortly") from exc
+
     async def record(self, event: Event) -> None:
         """Return once the broker has ``event``; raise CaptureFailed otherwise."""
         try:
