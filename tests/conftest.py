@@ -52,3 +52,27 @@ async def kafka(kafka_bootstrap: str) -> AsyncIterator[KafkaSettings]:
                              session_partitions=4, task_partitions=2)
     await ensure_topics(kafka_bootstrap, settings.registry(), settings.max_message_bytes)
     yield settings
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real vLLM CPU server over the tiny model, started once per run (its venv and model are cached).
+
+    ``ROLLWIRE_TEST_ENGINE_URL`` reuses a server that is already up.
+    """
+    import httpx
+
+    from deploy.engine.server import EngineConfig, VllmServer
+
+    configured = os.environ.get("ROLLWIRE_TEST_ENGINE_URL")
+    if configured and httpx.get(f"{configured}/v1/models", timeout=5).status_code == 200:
+        yield configured
+        return
+    base = EngineConfig.from_env()
+    server = VllmServer(EngineConfig(cache_dir=base.cache_dir, home=tmp_path_factory.mktemp("engine-home"),
+                                     port=_free_port()))
+    server.start(timeout_s=1800)
+    try:
+        yield server.url
+    finally:
+        server.stop()
