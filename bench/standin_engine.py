@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +48,7 @@ class StandinConfig:
     token_interval_ms: float = 0.0
     max_model_len: int = 262_144
     chunk_tokens: int = 1
+    bytes_per_token: int = 1
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -70,8 +73,16 @@ def render_prompt(body: dict[str, Any]) -> str:
     return "".join(parts) + "<|im_start|>assistant\n"
 
 
-def tokenize(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def tokenize(text: str, bytes_per_token: int = 1) -> list[int]:
+    """One id per UTF-8 byte (tests); with ``bytes_per_token`` > 1, one id per group of bytes, for
+    benchmarks that want a realistic number of tokens per request."""
+    data = text.encode("utf-8")
+    if bytes_per_token == 1:
+        return list(data)
+    padded = data + b"\0" * (-len(data) % bytes_per_token)
+    groups = np.frombuffer(padded, dtype=np.uint8).reshape(-1, bytes_per_token).astype(np.uint64)
+    weights = np.array([256 ** i for i in range(bytes_per_token)], dtype=np.uint64)
+    return ((groups * weights).sum(axis=1) % 151_643).tolist()
 
 
 def _regex_literal(pattern: str) -> str | None:
@@ -97,7 +108,8 @@ def _reply_text(body: dict[str, Any], prompt_ids: list[int], n_tokens: int) -> s
         literal = _regex_literal(forced)
         if literal is not None:
             return literal
-    seed = int.from_bytes(hashlib.sha256(bytes(prompt_ids[-256:]) + str(body.get("seed")).encode()).digest()[:4], "big")
+    key = json.dumps([prompt_ids[-256:], body.get("seed")]).encode()
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
     words = [_WORDS[(seed >> (i % 24) ^ i * 7) % len(_WORDS)] for i in range(max(1, n_tokens // 2))]
     return " ".join(words)
 
@@ -160,9 +172,9 @@ class Standin:
 
     async def chat(self, request: Request) -> Response:
         self.requests += 1
-        body = await request.json()
+        body = orjson.loads(await request.body())
         fail = request.headers.get("x-standin-fail") or body.get("standin_fail")
-        prompt_ids = tokenize(render_prompt(body))
+        prompt_ids = tokenize(render_prompt(body), self.config.bytes_per_token)
         max_tokens = body.get("max_tokens") or self.config.reply_tokens
         if fail == "overflow" or len(prompt_ids) + max_tokens > self.config.max_model_len:
             return self._error(400, f"This model's maximum context length is {self.config.max_model_len} tokens. "
@@ -206,14 +218,12 @@ class Standin:
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.get("model")
 
         def chunk(template: dict[str, Any], **choice: Any) -> bytes:
-            out = copy.deepcopy(template)
-            out.update(id=rid, created=created, model=model)
+            out = {**template, "id": rid, "created": created, "model": model}
             if out.get("choices"):
-                out["choices"][0].update(choice)
-            return b"data: " + json.dumps(out).encode() + b"\n\n"
+                out["choices"] = [{**out["choices"][0], **choice}]
+            return b"data: " + orjson.dumps(out) + b"\n\n"
 
-        first = copy.deepcopy(self.first_chunk)
-        first["prompt_token_ids"] = prompt_ids
+        first = {**self.first_chunk, "prompt_token_ids": prompt_ids}
         yield chunk(first)
         step = max(1, self.config.chunk_tokens)
         pieces = [ids[i:i + step] for i in range(0, len(ids), step)]
@@ -231,9 +241,8 @@ class Standin:
             yield chunk(template, delta=delta, token_ids=piece, logprobs=lps, finish_reason=finish if last else None)
             if self.config.token_interval_ms:
                 await asyncio.sleep(self.config.token_interval_ms / 1000)
-        usage = copy.deepcopy(self.usage_chunk)
-        usage["usage"].update(prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
-                              total_tokens=len(prompt_ids) + len(ids))
+        usage = {**self.usage_chunk, "usage": {**self.usage_chunk["usage"], "prompt_tokens": len(prompt_ids),
+                                               "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)}}
         yield chunk(usage)
         yield b"data: [DONE]\n\n"
 
@@ -277,8 +286,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18001)
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--reply-tokens", type=int, default=24)
+    parser.add_argument("--chunk-tokens", type=int, default=1)
+    parser.add_argument("--bytes-per-token", type=int, default=1)
     args = parser.parse_args()
-    config = StandinConfig(latency_ms=args.latency_ms, reply_tokens=args.reply_tokens)
+    config = StandinConfig(latency_ms=args.latency_ms, reply_tokens=args.reply_tokens,
+                           chunk_tokens=args.chunk_tokens, bytes_per_token=args.bytes_per_token)
     uvicorn.run(create_app(config), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

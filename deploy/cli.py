@@ -89,3 +89,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,6 @@ on OpenAI routes, ``{"detail": ...}`` on rollwire's own API).
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -75,8 +75,8 @@ async def read_json_body(request: Request, limit: int) -> tuple[Any, bytes]:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        return json.loads(raw), raw
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return orjson.loads(raw), raw
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 from proxy.errors import (
     BadRequest,
@@ -250,6 +251,9 @@ def _error_from_response(status: int, text: str) -> ProxyError:
     return EngineFailed(f"the engine failed with HTTP {status}: {message}")
 
 
+_JSON = {"content-type": "application/json"}
+
+
 class VllmEngine:
     """An httpx client for one vLLM OpenAI server; use as an async context manager."""
 
@@ -284,20 +288,22 @@ class VllmEngine:
 
     async def complete(self, body: dict[str, Any]) -> EngineTurn:
         try:
-            response = await self._client.post("/v1/chat/completions", json=body)
+            response = await self._client.post("/v1/chat/completions", content=orjson.dumps(body),
+                                               headers=_JSON)
         except httpx.HTTPError as exc:
             raise _translate(exc) from exc
         if response.status_code != 200:
             raise _error_from_response(response.status_code, response.text)
         try:
-            return parse_response(response.json())
+            return parse_response(orjson.loads(response.content))
         except ValueError as exc:
             raise EngineFailed(f"engine reply is not JSON: {response.text[:200]}") from exc
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[EngineDelta]:
         """The engine's streamed reply, chunk by chunk; closing the iterator cancels the request."""
         try:
-            async with self._client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async with self._client.stream("POST", "/v1/chat/completions", content=orjson.dumps(body),
+                                           headers=_JSON) as response:
                 if response.status_code != 200:
                     raise _error_from_response(response.status_code, (await response.aread()).decode(errors="replace"))
                 async for line in response.aiter_lines():
@@ -307,8 +313,8 @@ class VllmEngine:
                     if payload == "[DONE]":
                         return
                     try:
-                        chunk = json.loads(payload)
-                    except ValueError as exc:
+                        chunk = orjson.loads(payload)
+                    except orjson.JSONDecodeError as exc:
                         raise EngineFailed(f"engine sent a chunk that is not JSON: {payload[:200]}") from exc
                     if "error" in chunk and "choices" not in chunk:
                         error = chunk["error"]

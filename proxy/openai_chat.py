@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
@@ -255,7 +256,7 @@ class ChatRenderer:
 
 
 def _sse(document: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(document) + b"\n\n"
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 413: "invalid_request_error",
