@@ -15,7 +15,15 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Protocol
 
 from proxy.capture import CallContext, Recorder, completion_event
-from proxy.engine import EngineDelta, EngineTurn, TurnAssembler, VllmEngine, effective_request, engine_body
+from proxy.engine import (
+    EngineDelta,
+    EngineTurn,
+    TurnAssembler,
+    VllmEngine,
+    effective_request,
+    engine_body,
+    fit_max_tokens,
+)
 from proxy.errors import CaptureFailed, ClientDisconnected, EngineFailed, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.sessions import LiveSession
@@ -55,9 +63,11 @@ class CallService:
         except CaptureFailed as exc:
             logger.warning("failed call %s/%d not recorded: %s", ctx.session_id, ctx.sequence, exc)
 
-    async def _body(self, request: NormalizedRequest, stream: bool) -> tuple[dict, str]:
+    async def _prepare(self, request: NormalizedRequest, stream: bool) -> tuple[NormalizedRequest, dict, str]:
+        """The request as it will be sent (fitted to the engine), its engine body, and the served model."""
         model = await self.engine.served_model()
-        return engine_body(request, model, stream=stream), model
+        request = fit_max_tokens(request, self.engine.max_model_len)
+        return request, engine_body(request, model, stream=stream), model
 
     async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest) -> EngineTurn:
         """Call the engine, record the event, and return the turn (raises ProxyError)."""
@@ -65,7 +75,7 @@ class CallService:
         turn: EngineTurn | None = None
         try:
             await self.recorder.ensure_ready()
-            body, ctx.served_model = await self._body(request, stream=False)
+            request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
             turn = await self.engine.complete(body)
             ctx.first_token_at = utcnow()
@@ -94,7 +104,7 @@ class CallService:
         started = False  # once a chunk is out, errors can only be told in the stream itself
         try:
             await self.recorder.ensure_ready()
-            body, ctx.served_model = await self._body(request, stream=True)
+            request, body, ctx.served_model = await self._prepare(request, stream=True)
             ctx.upstream_started_at = utcnow()
             deltas = self.engine.stream(body)
             try:

@@ -145,6 +145,16 @@ def effective_request(request: NormalizedRequest, overrides: EngineParams) -> No
     return request.model_copy(update={"sampling": sampling})
 
 
+def fit_max_tokens(request: NormalizedRequest, max_model_len: int | None) -> NormalizedRequest:
+    """Harnesses ask for more output tokens than a small engine's whole context (Qwen Code: 32768);
+    vLLM refuses that outright, but caps a smaller value to the context the prompt leaves. So a request
+    above the context length is capped to it, and the event records the value actually sent."""
+    wanted = request.sampling.max_tokens
+    if wanted is None or max_model_len is None or wanted <= max_model_len:
+        return request
+    return request.model_copy(update={"sampling": request.sampling.model_copy(update={"max_tokens": max_model_len})})
+
+
 def engine_body(request: NormalizedRequest, model: str, *, stream: bool) -> dict[str, Any]:
     """The vLLM chat completion body for a normalized request (overrides already applied)."""
     sampling = request.sampling
@@ -245,7 +255,7 @@ def _error_from_response(status: int, text: str) -> ProxyError:
     lowered = message.lower()
     if status == 400 and ("context length" in lowered or "maximum context" in lowered
                           or "too long" in lowered or "max_model_len" in lowered):
-        return ContextOverflow(f"the prompt does not fit the engine's context window: {message}")
+        return ContextOverflow(f"the request does not fit the engine's context window: {message}")
     if 400 <= status < 500:
         return BadRequest(f"the engine refused the request: {message}")
     return EngineFailed(f"the engine failed with HTTP {status}: {message}")
@@ -260,6 +270,8 @@ class VllmEngine:
     def __init__(self, settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = settings.engine_url.rstrip("/")
         self._served_model = settings.served_model
+        self.max_model_len: int | None = None
+        self._models_checked = False
         timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_connect_timeout_s)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
         self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits, transport=transport)
@@ -274,16 +286,22 @@ class VllmEngine:
         await self._client.aclose()
 
     async def served_model(self) -> str:
-        """The model name sent upstream: configured, or the first one the engine lists."""
-        if self._served_model is None:
+        """The model name sent upstream: configured, or the first one the engine lists. The first call
+        also learns the engine's context length from ``/v1/models`` (vLLM reports ``max_model_len``)."""
+        if not self._models_checked:
             try:
                 response = await self._client.get("/v1/models")
                 response.raise_for_status()
-                self._served_model = response.json()["data"][0]["id"]
-            except httpx.HTTPError as exc:
-                raise _translate(exc) from exc
-            except (KeyError, IndexError, ValueError) as exc:
-                raise EngineFailed(f"engine at {self.url} lists no models") from exc
+                model = response.json()["data"][0]
+                self._served_model = self._served_model or model["id"]
+                self.max_model_len = model.get("max_model_len")
+                self._models_checked = True
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                if self._served_model is None:
+                    if isinstance(exc, httpx.HTTPError):
+                        raise _translate(exc) from exc
+                    raise EngineFailed(f"engine at {self.url} lists no models") from exc
+        assert self._served_model is not None
         return self._served_model
 
     async def complete(self, body: dict[str, Any]) -> EngineTurn:

@@ -69,8 +69,9 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield configured
         return
     base = EngineConfig.from_env()
+    # A context that holds a real harness's prompt (Qwen Code's is about 16k tokens).
     server = VllmServer(EngineConfig(cache_dir=base.cache_dir, home=tmp_path_factory.mktemp("engine-home"),
-                                     port=_free_port()))
+                                     port=_free_port(), max_model_len=32768))
     server.start(timeout_s=1800)
     try:
         yield server.url
