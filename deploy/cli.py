@@ -1,20 +1,25 @@
 """The `rollwire` command: gathers the subcommands each package defines and manages the local stack.
 
-``rollwire up`` resolves and starts the project's Apache Kafka (KRaft, one node) and creates the topics;
-``rollwire down`` stops it; ``rollwire status`` reports it. Later services join the same commands.
+``rollwire up`` brings up, in order: the project's Apache Kafka (KRaft, one node) and its topics, the
+embedded engine (the real vLLM CPU build over the tiny local model) unless ``ROLLWIRE_ENGINE_URL`` names
+another engine, and the gateway proxy. ``rollwire down`` stops them; ``rollwire status`` reports them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 
 import typer
 
 from deploy.errors import DeployError
 from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
+from deploy.services import ServiceProcess
 from proxy.cli import run as proxy_run
 from proxy.cli import session_app
+from proxy.settings import ProxySettings
 from schemas.cli import app as schemas_app
 from schemas.transport.settings import KafkaSettings
 
@@ -23,6 +28,9 @@ app = typer.Typer(help="rollwire: record coding-agent harnesses token for token,
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(session_app, name="session")
 app.command("proxy", help="Run the gateway proxy in the foreground.")(proxy_run)
+
+# Harness prompts run to ~16k tokens; the tiny model's KV cache holds 64k at 64 MiB.
+DEFAULT_ENGINE_MAX_MODEL_LEN = 32768
 
 
 def _local_broker_settings(config: KafkaConfig) -> KafkaSettings:
@@ -33,34 +41,76 @@ def _local_broker_settings(config: KafkaConfig) -> KafkaSettings:
     return settings
 
 
+def _engine_config():  # -> deploy.engine.server.EngineConfig (imported lazily: it is only for the embedded engine)
+    from deploy.engine.server import EngineConfig
+
+    config = EngineConfig.from_env()
+    if "ROLLWIRE_ENGINE_MAX_MODEL_LEN" not in os.environ:
+        config = dataclasses.replace(config, max_model_len=DEFAULT_ENGINE_MAX_MODEL_LEN)
+    return config
+
+
+def _engine_url() -> str | None:
+    """The external engine the user named, or None for the embedded one."""
+    return os.environ.get("ROLLWIRE_ENGINE_URL") or None
+
+
+def _proxy_service(kafka: KafkaSettings, engine_url: str) -> ServiceProcess:
+    proxy = ProxySettings()
+    return ServiceProcess(name="proxy", args=("proxy", "--host", proxy.proxy_host, "--port", str(proxy.proxy_port),
+                                              "--engine-url", engine_url),
+                          health_url=f"http://{proxy.proxy_host}:{proxy.proxy_port}/health",
+                          env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
+
+
 def _fail(exc: DeployError) -> None:
     typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 
 
 @app.command()
-def up(timeout_s: float = typer.Option(180.0, help="How long to wait for the broker.")) -> None:
-    """Start the local stack (Apache Kafka for now) and create the topics; print its status."""
+def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each part (the first engine "
+                                                    "start installs vLLM)."),
+       engine: bool = typer.Option(True, help="Start the embedded engine (ignored with ROLLWIRE_ENGINE_URL)."),
+       proxy: bool = typer.Option(True, help="Start the gateway proxy.")) -> None:
+    """Start the local stack (Kafka and topics, engine, proxy) and print its status."""
     config = KafkaConfig.from_env()
     settings = _local_broker_settings(config)
     try:
         if settings.kafka_bootstrap == config.bootstrap:
-            KafkaBroker(config).start(timeout_s=timeout_s)
+            KafkaBroker(config).start(timeout_s=min(timeout_s, 300))
         elif not broker_answers(settings.kafka_bootstrap):
             raise DeployError(f"no Kafka answers at ROLLWIRE_KAFKA_BOOTSTRAP={settings.kafka_bootstrap}")
         created = asyncio.run(ensure_topics(settings.kafka_bootstrap, settings.registry(),
                                             settings.max_message_bytes))
+        typer.echo(f"topics_created={len(created)}")
+        engine_url = _engine_url()
+        if engine_url is None and engine:
+            from deploy.engine.server import VllmServer
+
+            server = VllmServer(_engine_config())
+            server.start(timeout_s=timeout_s)
+            engine_url = server.url
+        if proxy and engine_url is not None:
+            _proxy_service(settings, engine_url).start()
     except DeployError as exc:
         _fail(exc)
-    typer.echo(f"topics_created={len(created)}")
     status(as_json=False)
 
 
 @app.command()
 def down() -> None:
-    """Stop the local stack."""
+    """Stop the local stack (proxy, embedded engine, Kafka)."""
+    config = KafkaConfig.from_env()
     try:
-        KafkaBroker(KafkaConfig.from_env()).stop()
+        _proxy_service(_local_broker_settings(config), "").stop()
+        typer.echo("proxy=stopped")
+        if _engine_url() is None:
+            from deploy.engine.server import VllmServer
+
+            VllmServer(_engine_config()).stop()
+            typer.echo("engine=stopped")
+        KafkaBroker(config).stop()
     except DeployError as exc:
         _fail(exc)
     typer.echo("kafka=stopped")
@@ -68,7 +118,7 @@ def down() -> None:
 
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
-    """Report the local stack: broker process, bootstrap address, whether it answers, topics."""
+    """Report the local stack: broker, engine and proxy processes, and whether each answers."""
     config = KafkaConfig.from_env()
     settings = _local_broker_settings(config)
     managed = settings.kafka_bootstrap == config.bootstrap
@@ -78,6 +128,17 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
     report["kafka_bootstrap"] = settings.kafka_bootstrap
     report["kafka_answers"] = broker_answers(settings.kafka_bootstrap)
     report["topic_prefix"] = settings.topic_prefix
+    engine_url = _engine_url()
+    if engine_url is None:
+        from deploy.engine.server import VllmServer
+
+        server = VllmServer(_engine_config())
+        report.update({"engine_" + k: v for k, v in server.status().items() if k in ("running", "ready", "url", "model")})
+        engine_url = server.url
+    else:
+        report["engine_url"] = engine_url
+    report.update({"proxy_" + k: v for k, v in _proxy_service(settings, engine_url).status().items()})
+    report["proxy_url"] = ProxySettings().public_url
     if as_json:
         typer.echo(json.dumps(report, default=str))
         return

@@ -1,0 +1,94 @@
+"""rollwire's own services (the proxy, later the processors) as detached local processes.
+
+A :class:`ServiceProcess` runs one ``python -m deploy.cli <command>`` in its own session with a pid file
+and a log under ``$ROLLWIRE_HOME/<name>/``, waits for its health URL, and stops it with SIGTERM (then
+SIGKILL). ``rollwire up/down/status`` drive them beside the broker and the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from deploy.errors import DeployError
+
+
+class ServiceStartError(DeployError):
+    """A rollwire service died while starting or did not become healthy in time."""
+
+
+@dataclass(frozen=True)
+class ServiceProcess:
+    """One rollwire service run in the background."""
+
+    name: str
+    args: tuple[str, ...]
+    health_url: str
+    env: dict[str, str] = field(default_factory=dict)
+    home: Path = field(default_factory=lambda: Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser())
+
+    @property
+    def pid_file(self) -> Path:
+        return self.home / self.name / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / self.name / f"{self.name}.log"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        return pid if b"deploy.cli" in cmdline else None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.health_url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start(self, timeout_s: float = 60) -> None:
+        if self.pid() is not None and self.healthy():
+            return
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_file.open("ab") as log:
+            process = subprocess.Popen([sys.executable, "-m", "deploy.cli", *self.args], stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env={**os.environ, **self.env}, start_new_session=True)
+        self.pid_file.write_text(str(process.pid))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-30:])
+                raise ServiceStartError(f"{self.name} exited with code {process.returncode}:\n{tail}")
+            if self.healthy():
+                return
+            time.sleep(0.3)
+        self.stop()
+        raise ServiceStartError(f"{self.name} did not answer {self.health_url} within {timeout_s:.0f} s; "
+                                f"see {self.log_file}")
+
+    def stop(self, timeout_s: float = 15) -> None:
+        pid = self.pid()
+        if pid is not None:
+            os.killpg(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while self.pid() is not None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.pid() is not None:
+                os.killpg(pid, signal.SIGKILL)
+        self.pid_file.unlink(missing_ok=True)
+
+    def status(self) -> dict[str, Any]:
+        return {"running": self.pid() is not None, "pid": self.pid(), "healthy": self.healthy(),
+                "log": str(self.log_file)}
