@@ -112,7 +112,8 @@ async def run(args: argparse.Namespace) -> None:
 
     standin_port, proxy_port = _free_port(), _free_port()
     standin = _spawn(["-m", "bench.standin_engine", "--port", str(standin_port), "--latency-ms", "20",
-                      "--reply-tokens", "64", "--chunk-tokens", "4", "--bytes-per-token", "4"], {}, args.log_prefix + "standin.log")
+                      "--reply-tokens", str(args.reply_tokens), "--token-interval-ms", str(args.token_interval_ms),
+                      "--bytes-per-token", "4"], {}, args.log_prefix + "standin.log")
     proxy = _spawn(["-m", "deploy.cli", "proxy", "--port", str(proxy_port),
                     "--engine-url", f"http://127.0.0.1:{standin_port}"],
                    {"ROLLWIRE_KAFKA_BOOTSTRAP": bootstrap, "ROLLWIRE_TOPIC_PREFIX": prefix,
@@ -177,6 +178,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--reply-tokens", type=int, default=64, help="Tokens per streamed reply.")
+    parser.add_argument("--token-interval-ms", type=float, default=8.0,
+                        help="Pace of the stand-in's stream after its 20 ms first-token latency.")
     parser.add_argument("--log-prefix", default="/tmp/rollwire-bench-", help="Where the servers' logs go.")
     parser.add_argument("--stop-kafka", action="store_true", help="Stop the broker if this run started it.")
     asyncio.run(run(parser.parse_args()))

@@ -185,7 +185,7 @@ class Standin:
             await asyncio.sleep(3600)
         await asyncio.sleep(self.config.latency_ms / 1000)
         text = _reply_text(body, prompt_ids, min(max_tokens, self.config.reply_tokens))
-        ids = tokenize(text)[:max_tokens]
+        ids = tokenize(text)[:min(max_tokens, max(self.config.reply_tokens, len(text) if body.get("structured_outputs") else 0))]
         text = bytes(ids).decode("utf-8", errors="ignore")
         finish = "length" if len(tokenize(_reply_text(body, prompt_ids, self.config.reply_tokens))) > max_tokens else "stop"
         calls = _tool_calls(text, body) if finish == "stop" else []
@@ -288,9 +288,11 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=24)
     parser.add_argument("--chunk-tokens", type=int, default=1)
     parser.add_argument("--bytes-per-token", type=int, default=1)
+    parser.add_argument("--token-interval-ms", type=float, default=0.0)
     args = parser.parse_args()
     config = StandinConfig(latency_ms=args.latency_ms, reply_tokens=args.reply_tokens,
-                           chunk_tokens=args.chunk_tokens, bytes_per_token=args.bytes_per_token)
+                           chunk_tokens=args.chunk_tokens, bytes_per_token=args.bytes_per_token,
+                           token_interval_ms=args.token_interval_ms)
     uvicorn.run(create_app(config), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

@@ -329,7 +329,8 @@ class VllmEngine:
                         continue
                     payload = line[5:].strip()
                     if payload == "[DONE]":
-                        return
+                        # Read on to the end of the body so that the connection goes back to the pool.
+                        continue
                     try:
                         chunk = orjson.loads(payload)
                     except orjson.JSONDecodeError as exc:
