@@ -1,1 +1,1 @@
-"""Deployment: the local Apache Kafka launcher, the `rollwire` CLI, and compose files for clusters."""
+"""Deployment: the local Apache Kafka and model engine launchers, the `rollwire` CLI, and the compose file."""

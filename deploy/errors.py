@@ -1,21 +1,33 @@
-"""Exceptions raised by the deploy tooling; each message says what to change."""
+"""Exceptions raised by the deploy tooling (local Kafka, its jars, its topics); each message says what to change.
+
+The embedded model engine's errors live in ``deploy.engine.errors`` and derive from :class:`DeployError` too,
+so that ``rollwire up/down/status`` can report any of them the same way.
+"""
 
 
 class DeployError(Exception):
-    """Base class for failures starting, stopping or resolving local services."""
+    """Base class for failures configuring, resolving, starting or stopping local services."""
+
+
+class ConfigError(DeployError, ValueError):
+    """A setting (argument or ``ROLLWIRE_*`` variable) has a value the launcher cannot use."""
 
 
 class MissingToolError(DeployError):
-    """A program the launcher needs (java, mvn) is not on PATH."""
+    """A program the launcher needs (Java 17+, Maven) is not on PATH."""
 
 
 class ResolveError(DeployError):
-    """Maven could not resolve the Kafka broker jars."""
+    """Maven could not resolve the Kafka broker's jars."""
 
 
 class BrokerStartError(DeployError):
-    """The broker process died or did not answer in time."""
+    """The broker could not be formatted or started, died while starting, or did not answer in time."""
 
 
-class EngineStartError(DeployError):
-    """The model engine (vLLM) could not be installed or did not become ready."""
+class BrokerStopError(DeployError):
+    """The broker's process could not be signalled or outlived SIGKILL."""
+
+
+class TopicSetupError(DeployError):
+    """Topics could not be created, or an existing topic disagrees with the registry."""

@@ -1,9 +1,10 @@
-"""The project's own Apache Kafka: one KRaft node (broker + controller) run from Maven-resolved jars.
+"""The project's own Apache Kafka: one KRaft node (broker and controller in one JVM) run from Maven jars.
 
-``KafkaBroker`` writes the broker's configuration into its home, formats the storage on first start,
-runs ``java kafka.Kafka`` detached (so it outlives the command that started it), waits until it answers a
-real Kafka request, and stops it. ``ensure_topics`` creates the registry's topics. Used by
-``rollwire up/down/status`` and by the test fixture.
+``KafkaBroker`` resolves the jars (``deploy.kafka_dist``), writes ``server.properties`` and ``log4j2.xml``
+into its home, formats the storage on first start, runs ``java kafka.Kafka`` detached (it outlives the
+command that started it; stdout and stderr go to ``<home>/logs/broker.log``), waits until the broker answers
+a real Kafka request, and stops it. ``ensure_topics`` creates the topic registry's topics on any cluster.
+Used by ``rollwire up/down/status``, the test fixtures and the benchmarks. Linux and macOS (POSIX signals).
 """
 
 from __future__ import annotations
@@ -11,89 +12,148 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, for_code
 
-from deploy.errors import BrokerStartError, DeployError
-from deploy.kafka_dist import require_java, resolve_kafka, template
-from schemas.topics import MAX_MESSAGE_BYTES, TopicRegistry
+from deploy.errors import BrokerStartError, BrokerStopError, ConfigError, TopicSetupError
+from deploy.kafka_dist import file_lock, require_java, resolve_kafka, template
+from schemas.topics import MAX_MESSAGE_BYTES, TopicRegistry, TopicSpec
+from schemas.topics import FRAMING_BYTES
 
+T = TypeVar("T")
+
+# 4.3.1 rather than the newest minor (4.4.0, which also runs with aiokafka 0.14): a bug-fix release of a
+# settled line rather than an x.y.0. Keep equal to the image tag in deploy/compose.yaml.
 DEFAULT_VERSION = "4.3.1"
-# A record batch adds headers around the largest record, and the broker's limit applies to the batch.
-BATCH_OVERHEAD_BYTES = 64 * 1024
+DEFAULT_PORT = 19092
+DEFAULT_HEAP = "-Xms256m -Xmx768m"
+# message.max.bytes limits a record *batch* as the broker stores it: the largest record plus the batch header
+# (61 bytes), per-record varint framing, key and headers. With the limit at exactly max_message_bytes, a
+# record of that size would be refused, so the broker-wide limits leave the same room as the clients'
+# (schemas.topics.FRAMING_BYTES, 64 KiB).
+BATCH_OVERHEAD_BYTES = FRAMING_BYTES
+# Kafka's own kafka-run-class.sh flags (G1 tuned for throughput, not start-up time), plus: die on OOM
+# instead of limping, and no AWT.
+_JVM_FLAGS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:InitiatingHeapOccupancyPercent=35",
+              "-XX:+ExplicitGCInvokesConcurrent", "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true")
+_ROTATE_LOG_BYTES = 64 * 1024 * 1024
 _TOPIC_ALREADY_EXISTS = 36
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    try:
+        return int(value) if value else default
+    except ValueError as exc:
+        raise ConfigError(f"{name}={value!r} is not an integer; set it to a whole number or unset it") from exc
+
+
 def _env_path(name: str, default: Path) -> Path:
-    value = os.environ.get(name)
+    value = os.environ.get(name, "").strip()
     return Path(value).expanduser() if value else default
 
 
 @dataclass(frozen=True)
 class KafkaConfig:
-    """Where the local broker keeps its jars and data, and where it listens."""
+    """Which Kafka to run, where its jars and state live, where it listens, and its size limits."""
 
     version: str = DEFAULT_VERSION
     cache_dir: Path = field(default_factory=lambda: Path("~/.cache/rollwire").expanduser())
     home: Path = field(default_factory=lambda: Path("~/.rollwire/kafka").expanduser())
     host: str = "127.0.0.1"
-    port: int = 19092
-    controller_port: int = 19093
-    heap: str = "-Xms256m -Xmx768m"
+    port: int = DEFAULT_PORT
+    controller_port: int = DEFAULT_PORT + 1
+    heap: str = DEFAULT_HEAP
     max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        object.__setattr__(self, "home", Path(self.home).expanduser())
+        major = re.match(r"(\d+)\.\d+\.\d+\S*$", self.version)
+        if major is None or int(major.group(1)) < 4:
+            raise ConfigError(f"Kafka version {self.version!r} is not a 4.x release; set ROLLWIRE_KAFKA_VERSION "
+                              f"to one such as {DEFAULT_VERSION}")
+        for name, port in (("port", self.port), ("controller_port", self.controller_port)):
+            if not 0 < port < 65536:
+                raise ConfigError(f"Kafka {name} {port} is out of range; set ROLLWIRE_KAFKA_PORT to 1-65534 "
+                                  "(the controller listens on the next port)")
+        if self.port == self.controller_port:
+            raise ConfigError(f"the broker and the controller cannot share port {self.port}; give them two")
+        if self.host in ("", "0.0.0.0", "::"):
+            raise ConfigError(f"host {self.host!r} cannot be advertised to clients; use the address they "
+                              "connect to (127.0.0.1 by default)")
+        if not 1024 <= self.max_message_bytes <= 512 * 1024 * 1024:
+            raise ConfigError(f"max_message_bytes {self.max_message_bytes} must be between 1 KiB and 512 MiB; "
+                              "set ROLLWIRE_MAX_MESSAGE_BYTES")
+        if not self.heap.split() or any(not opt.startswith("-") for opt in self.heap.split()):
+            raise ConfigError(f"heap {self.heap!r} must be JVM options such as {DEFAULT_HEAP!r}; "
+                              "set ROLLWIRE_KAFKA_HEAP")
 
     @classmethod
     def from_env(cls) -> KafkaConfig:
-        """``ROLLWIRE_CACHE_DIR``, ``ROLLWIRE_HOME`` (broker state in its ``kafka/``),
-        ``ROLLWIRE_KAFKA_PORT`` (controller on the next port), ``ROLLWIRE_KAFKA_VERSION``,
-        ``ROLLWIRE_KAFKA_HEAP``, ``ROLLWIRE_MAX_MESSAGE_BYTES``."""
-        port = int(os.environ.get("ROLLWIRE_KAFKA_PORT", "19092"))
+        """The configuration from the environment; every variable is optional.
+
+        ``ROLLWIRE_KAFKA_VERSION`` (4.3.1), ``ROLLWIRE_CACHE_DIR`` (``~/.cache/rollwire``; jars in
+        ``kafka/<version>/libs``), ``ROLLWIRE_HOME`` (``~/.rollwire``; broker state in its ``kafka/``),
+        ``ROLLWIRE_KAFKA_PORT`` (19092; the controller listens on the next port), ``ROLLWIRE_KAFKA_HEAP``
+        (``-Xms256m -Xmx768m``), ``ROLLWIRE_MAX_MESSAGE_BYTES`` (8 MiB, shared with the clients).
+        """
+        port = _env_int("ROLLWIRE_KAFKA_PORT", DEFAULT_PORT)
         return cls(
-            version=os.environ.get("ROLLWIRE_KAFKA_VERSION", DEFAULT_VERSION),
+            version=os.environ.get("ROLLWIRE_KAFKA_VERSION", "").strip() or DEFAULT_VERSION,
             cache_dir=_env_path("ROLLWIRE_CACHE_DIR", Path("~/.cache/rollwire").expanduser()),
             home=_env_path("ROLLWIRE_HOME", Path("~/.rollwire").expanduser()) / "kafka",
             port=port,
             controller_port=port + 1,
-            heap=os.environ.get("ROLLWIRE_KAFKA_HEAP", "-Xms256m -Xmx768m"),
-            max_message_bytes=int(os.environ.get("ROLLWIRE_MAX_MESSAGE_BYTES", str(MAX_MESSAGE_BYTES))),
+            heap=os.environ.get("ROLLWIRE_KAFKA_HEAP", "").strip() or DEFAULT_HEAP,
+            max_message_bytes=_env_int("ROLLWIRE_MAX_MESSAGE_BYTES", MAX_MESSAGE_BYTES),
         )
 
     @property
     def bootstrap(self) -> str:
+        """The address clients connect to, ``host:port``."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.home / "data"
 
 
 def server_properties(config: KafkaConfig) -> str:
-    """The broker's server.properties for a single combined KRaft node."""
+    """The broker's ``server.properties``: one combined KRaft node (no comments, one ``key=value`` a line)."""
     batch_limit = config.max_message_bytes + BATCH_OVERHEAD_BYTES
-    settings: dict[str, Any] = {
+    settings: dict[str, object] = {
         "process.roles": "broker,controller",
         "node.id": 1,
+        # A static one-voter quorum: no dynamic-quorum bootstrap needed at format time.
         "controller.quorum.voters": f"1@{config.host}:{config.controller_port}",
         "listeners": f"PLAINTEXT://{config.host}:{config.port},CONTROLLER://{config.host}:{config.controller_port}",
         "advertised.listeners": f"PLAINTEXT://{config.host}:{config.port}",
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
         "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "log.dirs": str(config.home / "data"),
+        "log.dirs": str(config.data_dir),
         "num.partitions": 1,
-        "auto.create.topics.enable": "false",
-        # Large records: every limit on the path of one record batch admits the largest event.
+        "auto.create.topics.enable": "false",  # topics come from the registry (ensure_topics), never by typo
+        # The largest event must pass every limit on its way: the batch limit, replica fetches, and one
+        # produce request holding it (socket.request.max.bytes, 100 MiB by default, kept at least that).
         "message.max.bytes": batch_limit,
         "replica.fetch.max.bytes": batch_limit,
-        "socket.request.max.bytes": max(104857600, 4 * batch_limit),
-        # One node: internal topics (offsets, transactions, share groups) with replication 1, so that
-        # consumer groups and transactional producers work.
+        "socket.request.max.bytes": max(100 * 1024 * 1024, 4 * batch_limit),
+        # One node: internal topics (consumer offsets, transactions, share groups) with replication 1, so that
+        # consumer groups and transactional producers work; 8 partitions each so that they are created fast.
         "offsets.topic.replication.factor": 1,
         "offsets.topic.num.partitions": 8,
         "transaction.state.log.replication.factor": 1,
@@ -101,36 +161,80 @@ def server_properties(config: KafkaConfig) -> str:
         "transaction.state.log.num.partitions": 8,
         "share.coordinator.state.topic.replication.factor": 1,
         "share.coordinator.state.topic.min.isr": 1,
-        # Tests and the CLI create groups often; do not hold the first rebalance back.
+        "share.coordinator.state.topic.num.partitions": 8,
+        # Tests and the CLI form groups often; do not hold the first rebalance back (default 3 s).
         "group.initial.rebalance.delay.ms": 0,
-        "log.retention.check.interval.ms": 300000,
     }
     return "".join(f"{key}={value}\n" for key, value in settings.items())
 
 
-def _run_async(coro: Any) -> Any:
-    """Run a coroutine to completion from sync code, even when an event loop is running here."""
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from sync code, also when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coro).result()
 
 
+def _accepts_tcp(bootstrap: str, timeout_s: float) -> bool:
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"bootstrap entry {server!r} must be host:port")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 async def _answers(bootstrap: str, timeout_s: float) -> bool:
-    # A refused connection is the expected answer while a broker starts: keep aiokafka from logging it.
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
     try:
-        await asyncio.wait_for(admin.start(), timeout_s)
-        await asyncio.wait_for(admin.describe_cluster(), timeout_s)
-        return True
-    except (KafkaError, OSError, asyncio.TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+            cluster = await admin.describe_cluster()
+        return bool(cluster.get("brokers"))
+    except (KafkaError, OSError, TimeoutError):
         return False
     finally:
         await admin.close()
 
 
 def broker_answers(bootstrap: str, timeout_s: float = 2.0) -> bool:
-    """Whether a Kafka broker at ``bootstrap`` answers a metadata request (not just a TCP connect)."""
-    return bool(_run_async(_answers(bootstrap, timeout_s)))
+    """Whether a Kafka cluster at ``bootstrap`` answers a metadata request naming at least one broker.
+
+    A TCP connect is tried first, so that a closed port costs no Kafka client (and logs nothing).
+    Blocking: from async code call it in a thread.
+    """
+    if not _accepts_tcp(bootstrap, timeout_s):
+        return False
+    return _run_sync(_answers(bootstrap, timeout_s))
+
+
+def new_cluster_id() -> str:
+    """A random Kafka cluster id: 16 random bytes in unpadded URL-safe base64, as ``kafka-storage random-uuid``."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def _is_our_broker(pid: int, properties: Path) -> bool:
+    """Whether ``pid`` is alive and is a ``kafka.Kafka`` JVM started on ``properties`` (not a reused pid)."""
+    if Path("/proc/self/cmdline").exists():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()  # empty for a zombie
+        except OSError:
+            return False
+        return b"kafka.Kafka" in cmdline and os.fsencode(properties) in cmdline
+    try:  # no /proc (macOS): trust the pid file
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class KafkaBroker:
@@ -140,127 +244,223 @@ class KafkaBroker:
         self.config = config
         self.pid_file = config.home / "broker.pid"
         self.log_file = config.home / "logs" / "broker.log"
+        self.properties_file = config.home / "server.properties"
+        self._process: subprocess.Popen[bytes] | None = None
 
     def ensure_distribution(self) -> Path:
+        """The broker's jar folder, resolved through Maven on first use; checks for Java 17+ first."""
+        require_java()
         return resolve_kafka(self.config.version, self.config.cache_dir)
 
-    def _java_command(self, libs: Path, main_class: str, *args: str) -> list[str]:
-        log4j = self.config.home / "log4j2.xml"
-        return [require_java(), *self.config.heap.split(), "-XX:+UseG1GC", "-XX:+ExitOnOutOfMemoryError",
-                "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile={log4j}",
-                f"-Drollwire.log.file={self.log_file}", "-cp", f"{libs}/*", main_class, *args]
-
-    def _prepare(self, libs: Path) -> Path:
-        home = self.config.home
-        (home / "logs").mkdir(parents=True, exist_ok=True)
-        properties = home / "server.properties"
-        properties.write_text(server_properties(self.config), encoding="utf-8")
-        (home / "log4j2.xml").write_text(template("log4j2.xml"), encoding="utf-8")
-        if not (home / "data" / "meta.properties").exists():
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-            result = subprocess.run(
-                self._java_command(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c",
-                                   str(properties)),
-                capture_output=True, text=True, timeout=120)
-            if result.returncode != 0:
-                raise BrokerStartError(f"formatting Kafka storage in {home / 'data'} failed:\n"
-                                       f"{(result.stdout + result.stderr).strip()[-3000:]}")
-        return properties
-
     def pid(self) -> int | None:
-        """The broker's pid if its process is alive."""
+        """The broker's pid if the process in the pid file is alive and is this home's broker."""
         try:
-            pid = int(self.pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            pid = int(self.pid_file.read_text(encoding="utf-8").strip())
         except (OSError, ValueError):
             return None
-        return pid if b"kafka.Kafka" in cmdline else None
+        return pid if _is_our_broker(pid, self.properties_file) else None
 
     def is_running(self) -> bool:
         return self.pid() is not None
 
     def start(self, timeout_s: float = 120) -> None:
-        """Start the broker unless it runs already; return once it answers Kafka requests."""
-        if self.is_running() and broker_answers(self.config.bootstrap):
-            return
-        libs = self.ensure_distribution()
-        properties = self._prepare(libs)
-        stdout = open(self.config.home / "logs" / "stdout.log", "ab")  # noqa: SIM115 - owned by the child
-        process = subprocess.Popen(self._java_command(libs, "kafka.Kafka", str(properties)),
-                                   stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   cwd=self.config.home, start_new_session=True)
-        stdout.close()
-        self.pid_file.write_text(str(process.pid))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise BrokerStartError(f"Kafka exited with code {process.returncode} while starting:\n"
-                                       + self._log_tail())
-            if broker_answers(self.config.bootstrap, timeout_s=2.0):
+        """Start the broker unless it runs already; return once it answers Kafka requests.
+
+        Resolves the jars and formats the storage on first use (not counted in ``timeout_s``). Raises
+        BrokerStartError (with the log's last 40 lines) if the broker dies or does not answer within
+        ``timeout_s``; a broker that this call launched is then stopped.
+        """
+        self.config.home.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.config.home / ".start.lock"):  # two starts on one home would race on the pid file
+            if self.is_running():  # started by someone else, perhaps still starting: wait for it
+                self._await_answer(None, time.monotonic() + timeout_s, timeout_s)
                 return
-            time.sleep(0.5)
-        self.stop()
-        raise BrokerStartError(f"Kafka did not answer at {self.config.bootstrap} within {timeout_s:.0f} s:\n"
-                               + self._log_tail())
+            self.pid_file.unlink(missing_ok=True)
+            libs = self.ensure_distribution()
+            self._check_ports_free()
+            self._write_config()
+            self._format_storage(libs)
+            self._launch(libs)
+            self._await_answer(self._process, time.monotonic() + timeout_s, timeout_s)
 
     def stop(self, timeout_s: float = 30) -> None:
-        """Stop the broker (SIGTERM, then SIGKILL after ``timeout_s``); does nothing if it is not running."""
+        """Stop the broker: SIGTERM (a clean shutdown), then SIGKILL after ``timeout_s``. Safe to repeat."""
         pid = self.pid()
         if pid is not None:
-            os.killpg(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while self.pid() is not None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if self.pid() is not None:
-                os.killpg(pid, signal.SIGKILL)
-                time.sleep(0.5)
+            self._signal(pid, signal.SIGTERM)
+            if not self._wait_gone(pid, timeout_s):
+                self._signal(pid, signal.SIGKILL)
+                if not self._wait_gone(pid, 10):
+                    raise BrokerStopError(f"Kafka (pid {pid}) outlived SIGKILL; check `ps -p {pid}`")
         self.pid_file.unlink(missing_ok=True)
 
     def status(self) -> dict[str, Any]:
-        return {"running": self.is_running(), "pid": self.pid(), "bootstrap": self.config.bootstrap,
-                "version": self.config.version, "data_dir": str(self.config.home / "data"),
+        """What ``rollwire status`` reports about this broker (no network request)."""
+        pid = self.pid()
+        return {"running": pid is not None, "pid": pid, "bootstrap": self.config.bootstrap,
+                "version": self.config.version, "data_dir": str(self.config.data_dir),
                 "log": str(self.log_file)}
 
+    def _java_command(self, libs: Path, main_class: str, *args: str) -> list[str]:
+        return [require_java(), *self.config.heap.split(), *_JVM_FLAGS,
+                f"-Dlog4j2.configurationFile={self.config.home / 'log4j2.xml'}",
+                "-cp", f"{libs}/*", main_class, *args]
+
+    def _check_ports_free(self) -> None:
+        for port in (self.config.port, self.config.controller_port):
+            with socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Kafka binds: TIME_WAIT is fine
+                try:
+                    probe.bind((self.config.host, port))
+                except OSError as exc:
+                    raise BrokerStartError(
+                        f"cannot listen on {self.config.host}:{port} ({exc.strerror}): another process uses it; "
+                        "stop it, or set ROLLWIRE_KAFKA_PORT to a free port (the controller takes the next)"
+                    ) from exc
+
+    def _write_config(self) -> None:
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        if self.log_file.exists() and self.log_file.stat().st_size > _ROTATE_LOG_BYTES:
+            self.log_file.replace(self.log_file.with_name("broker.log.1"))
+        self.properties_file.write_text(server_properties(self.config), encoding="utf-8")
+        (self.config.home / "log4j2.xml").write_text(template("log4j2.xml"), encoding="utf-8")
+
+    def _format_storage(self, libs: Path) -> None:
+        if (self.config.data_dir / "meta.properties").exists():
+            return
+        cluster_id = new_cluster_id()
+        # "--cluster-id=ID" in one argument: a base64 id may start with "-" and read as an option.
+        command = self._java_command(libs, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+                                     f"--config={self.properties_file}")
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired as exc:
+            raise BrokerStartError(f"formatting {self.config.data_dir} took over 120 s") from exc
+        if result.returncode != 0:
+            output = (result.stdout + result.stderr).strip().splitlines()[-40:]
+            raise BrokerStartError(f"formatting Kafka storage in {self.config.data_dir} failed "
+                                   f"(exit {result.returncode}); empty that folder if it holds an old "
+                                   "broker's data:\n" + "\n".join(output))
+
+    def _launch(self, libs: Path) -> None:
+        command = self._java_command(libs, "kafka.Kafka", str(self.properties_file))
+        with open(self.log_file, "ab") as log:
+            self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             cwd=self.config.home, start_new_session=True)
+        self.pid_file.write_text(f"{self._process.pid}\n", encoding="utf-8")
+
+    def _await_answer(self, process: subprocess.Popen[bytes] | None, deadline: float, timeout_s: float) -> None:
+        while True:
+            if process is not None and process.poll() is not None:
+                self.pid_file.unlink(missing_ok=True)
+                raise BrokerStartError(f"Kafka exited with code {process.returncode} while starting; last lines "
+                                       f"of {self.log_file}:\n{self._log_tail()}")
+            if process is None and not self.is_running():
+                raise BrokerStartError(f"Kafka (pid file {self.pid_file}) died while starting; last lines of "
+                                       f"{self.log_file}:\n{self._log_tail()}")
+            remaining = deadline - time.monotonic()
+            if broker_answers(self.config.bootstrap, timeout_s=max(0.5, min(2.0, remaining))):
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if process is not None:
+            self.stop()
+        raise BrokerStartError(f"Kafka did not answer at {self.config.bootstrap} within {timeout_s:.0f} s; last "
+                               f"lines of {self.log_file}:\n{self._log_tail()}")
+
+    def _signal(self, pid: int, sig: signal.Signals) -> None:
+        try:
+            if os.getpgid(pid) == pid:  # started with its own session: signal the whole group
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        except PermissionError as exc:
+            raise BrokerStopError(f"not allowed to signal Kafka (pid {pid}); stop it as the user who started "
+                                  "it") from exc
+
+    def _wait_gone(self, pid: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.pid == pid:
+                self._process.poll()  # reap our own child, or it lingers as a zombie
+            if not _is_our_broker(pid, self.properties_file):
+                return True
+            time.sleep(0.1)
+        return False
+
     def _log_tail(self, lines: int = 40) -> str:
-        chunks = []
-        for path in (self.config.home / "logs" / "stdout.log", self.log_file):
-            if path.exists():
-                chunks.extend(path.read_text(errors="replace").splitlines()[-lines:])
-        return "\n".join(chunks[-lines:]) or "(no log output)"
+        try:
+            with open(self.log_file, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 256 * 1024))
+                text = log.read().decode("utf-8", errors="replace")
+        except OSError:
+            return "(no log output)"
+        return "\n".join(text.splitlines()[-lines:]) or "(no log output)"
 
 
 async def ensure_topics(bootstrap: str, registry: TopicRegistry, max_message_bytes: int = MAX_MESSAGE_BYTES,
                         timeout_s: float = 60) -> list[str]:
-    """Create the registry's missing topics; return the names created once every partition has a leader."""
+    """Create the registry's missing topics (replication 1); return the names this call created.
+
+    Returns once every registry topic has a leader on each partition. A topic that exists already is
+    kept, but must have the registry's partition count (co-partitioning depends on it).
+    """
+    deadline = time.monotonic() + timeout_s
+    specs = registry.specs()
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
     try:
         await admin.start()
         existing = set(await admin.list_topics())
-        missing = [spec for spec in registry.specs() if spec.name not in existing]
-        if missing:
-            response = await admin.create_topics([
-                NewTopic(spec.name, spec.partitions, 1, topic_configs=spec.configs(max_message_bytes))
-                for spec in missing
-            ])
-            for name, code, *message in response.topic_errors:
-                if code not in (0, _TOPIC_ALREADY_EXISTS):
-                    raise DeployError(f"creating topic {name} failed (error {code}): {message}")
-        await _wait_for_leaders(admin, [spec.name for spec in registry.specs()], timeout_s)
-        return [spec.name for spec in missing]
+        missing = [spec for spec in specs if spec.name not in existing]
+        if existing & {spec.name for spec in specs}:
+            _check_partitions(await admin.describe_topics([s.name for s in specs if s.name in existing]), specs)
+        created = await _create(admin, missing, max_message_bytes, timeout_s) if missing else []
+        await _wait_for_leaders(admin, [spec.name for spec in specs], deadline)
+        return created
     except KafkaError as exc:
-        raise DeployError(f"Kafka at {bootstrap} refused topic set-up: {exc!r}") from exc
+        raise TopicSetupError(f"Kafka at {bootstrap} refused topic set-up: {exc!r}") from exc
     finally:
         await admin.close()
 
 
-async def _wait_for_leaders(admin: AIOKafkaAdminClient, names: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+async def _create(admin: AIOKafkaAdminClient, specs: list[TopicSpec], max_message_bytes: int,
+                  timeout_s: float) -> list[str]:
+    response = await admin.create_topics(
+        [NewTopic(spec.name, spec.partitions, 1, topic_configs=spec.configs(max_message_bytes)) for spec in specs],
+        timeout_ms=int(timeout_s * 1000))
+    created, failures = [], []
+    for entry in response.topic_errors:
+        name, code, message = entry[0], entry[1], (entry[2] if len(entry) > 2 else None)
+        if code == 0:
+            created.append(name)
+        elif code != _TOPIC_ALREADY_EXISTS:  # created meanwhile by someone else: fine
+            failures.append(f"{name}: {for_code(code).__name__} {message or ''}".strip())
+    if failures:
+        raise TopicSetupError("creating topics failed: " + "; ".join(failures))
+    return created
+
+
+def _check_partitions(described: list[dict[str, Any]], specs: list[TopicSpec]) -> None:
+    wanted = {spec.name: spec.partitions for spec in specs}
+    for topic in described:
+        have = len(topic["partitions"])
+        if topic["error_code"] == 0 and have != wanted[topic["topic"]]:
+            raise TopicSetupError(
+                f"topic {topic['topic']} has {have} partitions but the registry wants {wanted[topic['topic']]} "
+                "(co-partitioned topics must agree): set ROLLWIRE_SESSION_PARTITIONS / ROLLWIRE_TASK_PARTITIONS "
+                "to match the cluster, or use another ROLLWIRE_TOPIC_PREFIX")
+
+
+async def _wait_for_leaders(admin: AIOKafkaAdminClient, names: list[str], deadline: float) -> None:
     while True:
         described = await admin.describe_topics(names)
-        ready = all(t["error_code"] == 0 and t["partitions"]
-                    and all(p["leader"] >= 0 for p in t["partitions"]) for t in described)
-        if ready:
+        if len(described) == len(names) and all(
+                t["error_code"] == 0 and t["partitions"] and all(p["leader"] >= 0 for p in t["partitions"])
+                for t in described):
             return
         if time.monotonic() > deadline:
-            raise DeployError(f"topics {names} have no leaders after {timeout_s:.0f} s")
-        await asyncio.sleep(0.2)
+            raise TopicSetupError(f"topics {names} still have partitions without a leader; is the broker healthy?")
+        await asyncio.sleep(0.1)

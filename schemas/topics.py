@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 # message.max.bytes, each topic's max.message.bytes, the producer's max_request_size and the consumer's
 # fetch sizes are all derived from this one number (see schemas.transport.KafkaSettings).
 MAX_MESSAGE_BYTES: int = 8 * 1024 * 1024
+# Record batch and request framing on top of the largest record: every limit that applies to a batch
+# (a topic's max.message.bytes, the broker's, the consumer's fetch sizes) leaves this much room, so that
+# a record of exactly MAX_MESSAGE_BYTES still fits.
+FRAMING_BYTES: int = 64 * 1024
 
 DEFAULT_PREFIX: str = "rollwire."
 DEFAULT_SESSION_PARTITIONS: int = 8
@@ -60,7 +64,8 @@ class TopicSpec:
     def configs(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, str]:
         """Topic-level broker configs (strings, as the admin API wants them)."""
         configs = {
-            "max.message.bytes": str(max_message_bytes),
+            # The topic's limit applies to whole batches, so it leaves room for their framing.
+            "max.message.bytes": str(max_message_bytes + FRAMING_BYTES),
             "cleanup.policy": "compact" if self.compacted else "delete",
             "retention.ms": str(self.retention_ms),
             # Producers already compress with zstd; keep the producer's batches as they are.

@@ -9,13 +9,10 @@ from schemas.topics import (
     DEFAULT_PREFIX,
     DEFAULT_SESSION_PARTITIONS,
     DEFAULT_TASK_PARTITIONS,
+    FRAMING_BYTES,
     MAX_MESSAGE_BYTES,
     TopicRegistry,
 )
-
-# Record batch and request framing on top of the largest record; the broker's and consumer's limits
-# leave this much room so that a record of exactly max_message_bytes still fits.
-FRAMING_BYTES = 64 * 1024
 
 
 class KafkaSettings(BaseSettings):
