@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.codec import EVENT_MODELS
-from schemas.topics import MAX_MESSAGE_BYTES, KeyedBy, Topic, TopicRegistry
+from schemas.topics import FRAMING_BYTES, MAX_MESSAGE_BYTES, KeyedBy, Topic, TopicRegistry
 
 
 def test_session_keyed_topics_are_co_partitioned() -> None:
@@ -30,7 +30,7 @@ def test_sessions_are_compacted_and_the_log_is_kept() -> None:
     assert registry.spec(Topic.SESSIONS).configs()["cleanup.policy"] == "compact"
     completions = registry.spec(Topic.COMPLETIONS).configs()
     assert completions["cleanup.policy"] == "delete" and completions["retention.ms"] == "-1"
-    assert completions["max.message.bytes"] == str(MAX_MESSAGE_BYTES)
+    assert completions["max.message.bytes"] == str(MAX_MESSAGE_BYTES + FRAMING_BYTES)
 
 
 def test_prefix_names_topics_and_is_checked() -> None:
