@@ -67,8 +67,19 @@ def render_prompt(body: dict[str, Any]) -> str:
         text = content or ""
         if message.get("reasoning"):
             text = f"<think>{message['reasoning']}</think>" + text
-        for call in message.get("tool_calls") or ():
-            text += "<tool_call>" + json.dumps(call.get("function"), sort_keys=True) + "</tool_call>"
+        for i, call in enumerate(message.get("tool_calls") or ()):
+            # Laid out as the real template writes a call (deploy/engine/chat_template.jinja). vLLM parses the
+            # arguments the harness echoes and the template re-serializes them (json.dumps, default
+            # separators), so a model that sampled that layout sees its own text again in the next prompt.
+            function = call.get("function") or {}
+            arguments = function.get("arguments")
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except ValueError:
+                arguments = {}
+            arguments = json.dumps(arguments if isinstance(arguments, dict) else {}, ensure_ascii=False)
+            text += ("\n" if i or text else "") + '<tool_call>\n{"name": "' + str(function.get("name")) + \
+                '", "arguments": ' + arguments + '}\n</tool_call>'
         parts.append(f"<|im_start|>{message.get('role')}\n{text}<|im_end|>\n")
     return "".join(parts) + "<|im_start|>assistant\n"
 

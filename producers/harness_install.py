@@ -26,6 +26,7 @@ HARNESSES: dict[str, HarnessPackage] = {
     "qwen-code": HarnessPackage("qwen-code", "@qwen-code/qwen-code", "0.24.4", "qwen"),
     "pi": HarnessPackage("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi"),
     "codex": HarnessPackage("codex", "@openai/codex", "0.169.0", "codex"),
+    "claude-code": HarnessPackage("claude-code", "@anthropic-ai/claude-code", "2.1.330", "claude"),
 }
 
 

@@ -22,11 +22,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from proxy import openai_chat
+from proxy.anthropic_messages import MessagesApi
+from proxy.gemini import GeminiApi
+from proxy.openai_chat import ChatCompletionsApi
+from proxy.openai_responses import ResponsesApi
 from proxy.calls import CallService
 from proxy.capture import CallContext, Recorder, body_digest
 from proxy.engine import VllmEngine
-from proxy.errors import BadRequest, CaptureFailed, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from proxy.errors import BadRequest, CaptureFailed, NotFound, PayloadTooLarge, ProxyError, UnsupportedMediaType
 from proxy.metrics import ProxyMetrics
+from proxy.providers import ProviderApi, Route
 from proxy.sessions import LiveSession, RegistryFeed, SessionRegistry
 from proxy.settings import ProxySettings
 from schemas.api import SessionCreate, SessionCreated, SessionEnd, SessionState
@@ -37,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 _HINT_HEADERS = ("user-agent", "x-stainless-retry-count", "x-claude-code-session-id", "session_id",
                  "conversation_id", "x-rollwire-agent", "x-rollwire-parent")
+
+_NO_ROUTE = Route()
 
 
 @dataclass
@@ -81,7 +88,7 @@ async def read_json_body(request: Request, limit: int) -> tuple[Any, bytes]:
 
 
 def _context(request: Request, api: str, session: LiveSession, requested_model: str | None,
-             raw: bytes) -> CallContext:
+             raw: bytes, keep_body: bool) -> CallContext:
     digest = body_digest(raw)
     retry_header = request.headers.get("x-stainless-retry-count", "0")
     retry_count = int(retry_header) if retry_header.isdigit() else 0
@@ -90,6 +97,7 @@ def _context(request: Request, api: str, session: LiveSession, requested_model: 
     return CallContext(api=api, session_id=session.session_id, task_id=session.spec.task_id,
                        policy_version=session.spec.policy_version, sequence=sequence,
                        requested_model=requested_model, served_model=None, digest=digest,
+                       body=raw.decode("utf-8", errors="replace") if keep_body else None,
                        retry_of=retry_of, retry_count=retry_count, agent_hints=hints)
 
 
@@ -122,43 +130,121 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     def state_of(request: Request) -> ProxyState:
         return request.app.state.proxy
 
-    # -- OpenAI Chat Completions ------------------------------------------------------------------
-    async def chat_completions(request: Request, session_id: str | None) -> Response:
+    # -- provider APIs ------------------------------------------------------------------------------
+    async def serve_call(request: Request, provider: ProviderApi, session_id: str | None,
+                         route: Route = _NO_ROUTE) -> Response:
+        """One model call on any provider API; every failure is answered in that provider's error shape."""
         state = state_of(request)
         started = time.perf_counter()
         status = 500
         try:
             document, raw = await read_json_body(request, settings.proxy_max_body_bytes)
             session = await state.registry.resolve(session_id, _api_key(request), settings.session_wait_s)
-            wire = openai_chat.parse_request(document)
-            normalized = openai_chat.normalize(wire)
-            ctx = _context(request, "openai.chat", session, wire.model, raw)
-            renderer = openai_chat.ChatRenderer(wire)
-            if not wire.stream:
-                turn = await state.service.whole(ctx, session, normalized)
+            call = provider.parse(document, route)
+            ctx = _context(request, provider.name, session, call.requested_model, raw,
+                           settings.record_request_body)
+            if not call.stream:
+                turn = await state.service.whole(ctx, session, call.request)
                 status = 200
-                return JSONResponse(renderer.response(turn))
-            chunks = state.service.stream(ctx, session, normalized, renderer)
+                return JSONResponse(call.renderer.response(turn))
+            chunks = state.service.stream(ctx, session, call.request, call.renderer)
             first = await anext(chunks, None)
             status = 200
-            return StreamingResponse(_prepend(first, chunks), media_type="text/event-stream",
+            return StreamingResponse(_prepend(first, chunks), media_type=provider.stream_media_type,
                                      headers={"cache-control": "no-cache"})
         except ProxyError as error:
             status = error.status_code
             if not isinstance(error, CaptureFailed):
-                state.metrics.error("openai.chat", error.kind)
-            return JSONResponse(openai_chat.error_body(error), status_code=error.status_code)
+                state.metrics.error(provider.name, error.kind)
+            return JSONResponse(provider.error_body(error), status_code=error.status_code)
+        except Exception as exc:  # a bug of ours: still answer in the harness's protocol, never a traceback
+            logger.exception("unhandled error on %s", request.url.path)
+            state.metrics.error(provider.name, "internal")
+            error = ProxyError(f"internal proxy error ({type(exc).__name__}); see the proxy log")
+            return JSONResponse(provider.error_body(error), status_code=500)
         finally:
-            state.metrics.requests.labels(api="openai.chat", status=str(status)).inc()
-            state.metrics.latency.labels(api="openai.chat").observe(time.perf_counter() - started)
+            state.metrics.requests.labels(api=provider.name, status=str(status)).inc()
+            state.metrics.latency.labels(api=provider.name).observe(time.perf_counter() - started)
+
+    chat = ChatCompletionsApi()
 
     @app.post("/v1/chat/completions")
     async def chat_by_key(request: Request) -> Response:
-        return await chat_completions(request, None)
+        return await serve_call(request, chat, None)
 
     @app.post("/s/{session_id}/v1/chat/completions")
     async def chat_by_path(request: Request, session_id: str) -> Response:
-        return await chat_completions(request, session_id)
+        return await serve_call(request, chat, session_id)
+
+    responses = ResponsesApi()
+
+    @app.post("/v1/responses")
+    async def responses_by_key(request: Request) -> Response:
+        return await serve_call(request, responses, None)
+
+    @app.post("/s/{session_id}/v1/responses")
+    async def responses_by_path(request: Request, session_id: str) -> Response:
+        return await serve_call(request, responses, session_id)
+
+    @app.get("/v1/responses")
+    @app.get("/s/{session_id}/v1/responses")
+    async def responses_websocket(session_id: str | None = None) -> Response:
+        # Codex tries a WebSocket upgrade first with some providers; 426 sends it straight to HTTP + SSE.
+        error = ProxyError("this server speaks the Responses API over HTTP (POST with SSE), not WebSocket")
+        error.status_code = 426
+        return JSONResponse(responses.error_body(error), status_code=426)
+
+    messages = MessagesApi()
+
+    @app.post("/v1/messages")
+    async def messages_by_key(request: Request) -> Response:
+        return await serve_call(request, messages, None)
+
+    @app.post("/s/{session_id}/v1/messages")
+    async def messages_by_path(request: Request, session_id: str) -> Response:
+        return await serve_call(request, messages, session_id)
+
+    async def count_tokens(request: Request, session_id: str | None) -> Response:
+        state = state_of(request)
+        try:
+            document, _ = await read_json_body(request, settings.proxy_max_body_bytes)
+            await state.registry.resolve(session_id, _api_key(request), settings.session_wait_s)
+            count = await state.engine.count_prompt_tokens(messages.parse_count(document))
+        except ProxyError as error:
+            return JSONResponse(messages.error_body(error), status_code=error.status_code)
+        return JSONResponse({"input_tokens": count})
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens_by_key(request: Request) -> Response:
+        return await count_tokens(request, None)
+
+    @app.post("/s/{session_id}/v1/messages/count_tokens")
+    async def count_tokens_by_path(request: Request, session_id: str) -> Response:
+        return await count_tokens(request, session_id)
+
+    @app.head("/")
+    @app.head("/s/{session_id}")
+    async def preflight(session_id: str | None = None) -> Response:
+        return Response(status_code=200)  # Claude Code's HEAD / before its first call
+
+    gemini = GeminiApi()
+
+    async def gemini_call(request: Request, session_id: str | None, target: str) -> Response:
+        model, _, method = target.rpartition(":")
+        if method not in ("generateContent", "streamGenerateContent") or not model:
+            error = NotFound(f"no Gemini method {target!r}: use models/MODEL:generateContent or "
+                             "models/MODEL:streamGenerateContent")
+            return JSONResponse(gemini.error_body(error), status_code=error.status_code)
+        route = Route(model=model, stream=method == "streamGenerateContent", query=dict(request.query_params))
+        return await serve_call(request, gemini, session_id, route)
+
+    @app.post("/v1beta/models/{target:path}")
+    async def gemini_by_key(request: Request, target: str) -> Response:
+        return await gemini_call(request, None, target)
+
+    @app.post("/s/{session_id}/v1beta/models/{target:path}")
+    async def gemini_by_path(request: Request, session_id: str, target: str) -> Response:
+        return await gemini_call(request, session_id, target)
 
     # -- sessions -----------------------------------------------------------------------------------
     @app.post("/v1/sessions", status_code=201)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any, Protocol
+from typing import Any
 
 from proxy.capture import CallContext, Recorder, completion_event
 from proxy.engine import (
-    EngineDelta,
     EngineTurn,
     TurnAssembler,
     VllmEngine,
@@ -26,18 +25,12 @@ from proxy.engine import (
 )
 from proxy.errors import CaptureFailed, ClientDisconnected, EngineFailed, ProxyError
 from proxy.metrics import ProxyMetrics
+from proxy.providers import Renderer
 from proxy.sessions import LiveSession
 from schemas.completions import NormalizedRequest
 from schemas.envelope import utcnow
 
 logger = logging.getLogger(__name__)
-
-
-class Renderer(Protocol):
-    def stream_delta(self, delta: EngineDelta) -> list[bytes]: ...
-    def stream_finish(self, turn: EngineTurn) -> list[bytes]: ...
-    def stream_whole(self, turn: EngineTurn) -> list[bytes]: ...
-    def stream_error(self, error: ProxyError) -> list[bytes]: ...
 
 
 class CallService:

@@ -47,6 +47,7 @@ class CallContext:
     requested_model: str | None
     served_model: str | None
     digest: str
+    body: str | None = None
     retry_of: int | None = None
     retry_count: int = 0
     agent_hints: dict[str, str] = field(default_factory=dict)
@@ -69,7 +70,7 @@ def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineT
     fields = dict(
         session_id=ctx.session_id, task_id=ctx.task_id, sequence=ctx.sequence, agent_hints=ctx.agent_hints,
         api=ctx.api, requested_model=ctx.requested_model, served_model=ctx.served_model,
-        policy_version=ctx.policy_version, request=request, request_digest=ctx.digest,
+        policy_version=ctx.policy_version, request=request, request_digest=ctx.digest, request_body=ctx.body,
         retry_of=ctx.retry_of, retry_count=ctx.retry_count, timings=timings,
     )
     if error is not None:

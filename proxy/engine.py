@@ -136,12 +136,20 @@ def _engine_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def effective_request(request: NormalizedRequest, overrides: EngineParams) -> NormalizedRequest:
-    """The request with the session's fixed sampling parameters in place of the harness's."""
+    """The request with the session's fixed sampling parameters in place of the harness's.
+
+    Engine extras are the session's ``extra``, then the entry of ``turns`` for this turn (the number of
+    assistant messages the prompt already holds; the last entry for every later turn), over the harness's.
+    """
     fixed = {name: getattr(overrides, name) for name in ("temperature", "top_p", "top_k", "max_tokens", "seed")
              if getattr(overrides, name) is not None}
-    if not fixed and not overrides.extra:
+    extra = overrides.extra
+    if overrides.turns:
+        done = sum(1 for m in request.messages if m.role == "assistant")
+        extra = {**extra, **overrides.turns[min(done, len(overrides.turns) - 1)]}
+    if not fixed and not extra:
         return request
-    sampling = request.sampling.model_copy(update={**fixed, "extra": {**request.sampling.extra, **overrides.extra}})
+    sampling = request.sampling.model_copy(update={**fixed, "extra": {**request.sampling.extra, **extra}})
     return request.model_copy(update={"sampling": sampling})
 
 
@@ -303,6 +311,24 @@ class VllmEngine:
                     raise EngineFailed(f"engine at {self.url} lists no models") from exc
         assert self._served_model is not None
         return self._served_model
+
+    async def count_prompt_tokens(self, request: NormalizedRequest) -> int:
+        """How many tokens the prompt of ``request`` is, by the engine's own tokenizer and chat template
+        (vLLM's ``/tokenize`` with the chat messages and tools gives exactly the ids a chat call uses)."""
+        model = await self.served_model()
+        chat = engine_body(request, model, stream=False)
+        body = {key: chat[key] for key in ("model", "messages", "tools", "chat_template_kwargs") if key in chat}
+        body["add_generation_prompt"] = True
+        try:
+            response = await self._client.post("/tokenize", content=orjson.dumps(body), headers=_JSON)
+        except httpx.HTTPError as exc:
+            raise _translate(exc) from exc
+        if response.status_code != 200:
+            raise _error_from_response(response.status_code, response.text)
+        try:
+            return int(orjson.loads(response.content)["count"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EngineFailed(f"engine /tokenize reply has no count: {response.text[:200]}") from exc
 
     async def complete(self, body: dict[str, Any]) -> EngineTurn:
         try:

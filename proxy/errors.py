@@ -44,6 +44,12 @@ class UnsupportedMediaType(BadRequest):
     status_code = 415
 
 
+class NotFound(BadRequest):
+    """The path names no method of the provider API."""
+
+    status_code = 404
+
+
 class UnknownSession(ProxyError):
     """The path or key names no registered, live session."""
 

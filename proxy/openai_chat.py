@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
+from proxy.providers import ParsedCall, Route
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -270,3 +271,17 @@ def error_body(error: ProxyError) -> dict[str, Any]:
                       "type": _ERROR_TYPES.get(error.status_code, "server_error" if error.status_code >= 500
                                                else "invalid_request_error"),
                       "param": error.param, "code": _ERROR_CODES.get(error.kind, error.kind)}}
+
+
+class ChatCompletionsApi:
+    """``POST /v1/chat/completions``."""
+
+    name = "openai.chat"
+    stream_media_type = "text/event-stream"
+
+    def parse(self, document: Any, route: Route) -> ParsedCall:
+        wire = parse_request(document)
+        return ParsedCall(requested_model=wire.model, request=normalize(wire), renderer=ChatRenderer(wire))
+
+    def error_body(self, error: ProxyError) -> dict[str, Any]:
+        return error_body(error)

@@ -30,7 +30,7 @@ class ProxySettings(BaseSettings):
     upstream_stream: bool = Field(default=True, description=(
         "Relay the engine's stream; when false, call the engine whole and synthesize the stream."))
     record_request_body: bool = Field(default=False, description=(
-        "Keep the original request body in events besides its sha256 digest (larger events)."))
+        "Keep the original request body in completion events besides its sha256 digest (larger events)."))
 
     @property
     def public_url(self) -> str:

@@ -139,6 +139,9 @@ class Completion(Event):
     policy_version: str | None = None
     request: NormalizedRequest
     request_digest: str | None = Field(default=None, description="sha256 of the original request body.")
+    request_body: str | None = Field(default=None, description=(
+        "The original request body as the harness sent it (UTF-8 JSON), when the proxy keeps bodies "
+        "(ROLLWIRE_RECORD_REQUEST_BODY); the normalized `request` is always there."))
     retry_of: int | None = Field(default=None, description="Sequence of the call this one retries.")
     retry_count: int = Field(default=0, ge=0)
     status: Literal["ok", "error"] = "ok"

@@ -62,6 +62,10 @@ class EngineParams(Model):
     seed: int | None = None
     extra: dict[str, Any] = Field(default_factory=dict, description=(
         "Engine-specific request fields passed through verbatim, e.g. vLLM's structured_outputs."))
+    turns: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "Per-turn engine fields, merged over `extra`: entry N applies to a call whose prompt already holds "
+        "N assistant turns (the last entry to every later one). Scripts a session's outputs, e.g. a forced "
+        "tool call on the first turn and a forced answer on the second, through structured outputs."))
 
 
 class EvaluatorSpec(Model):

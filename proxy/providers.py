@@ -1,0 +1,71 @@
+"""What a provider API module supplies to the proxy: parsing into the internal form, replies, errors.
+
+Each provider API (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages, Gemini) lives in a
+module of its own that exposes one :class:`ProviderApi`. The HTTP route that serves it is the same for
+all of them (``proxy.app``): read the body, resolve the session, ``parse`` the request into a
+:class:`ParsedCall`, run it through :class:`~proxy.calls.CallService`, and answer with the call's
+renderer, or with ``error_body`` when anything raises a :class:`~proxy.errors.ProxyError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from proxy.engine import EngineDelta, EngineTurn
+from proxy.errors import ProxyError
+from schemas.completions import NormalizedRequest, ProviderApi as ProviderApiName
+
+
+class Renderer(Protocol):
+    """Renders one call's reply in its provider's shape, whole or as stream chunks (bytes on the wire)."""
+
+    def response(self, turn: EngineTurn) -> dict[str, Any]:
+        """The whole (non-streamed) reply body."""
+
+    def stream_delta(self, delta: EngineDelta) -> list[bytes]:
+        """Chunks for one engine delta; never the closing ones (those wait until the call is recorded)."""
+
+    def stream_finish(self, turn: EngineTurn) -> list[bytes]:
+        """The closing chunks: finish/stop reason, usage and the end marker."""
+
+    def stream_whole(self, turn: EngineTurn) -> list[bytes]:
+        """A synthetic stream for a turn the engine returned whole (opening, body and closing chunks)."""
+
+    def stream_error(self, error: ProxyError) -> list[bytes]:
+        """Chunks that tell the client the call failed after its stream had started."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """What the URL says about a call, beyond the body (Gemini puts model and streaming in the path)."""
+
+    model: str | None = None
+    stream: bool | None = None
+    query: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ParsedCall:
+    """A provider request, validated and normalized, with the renderer for its reply."""
+
+    requested_model: str | None
+    request: NormalizedRequest
+    renderer: Renderer
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+
+class ProviderApi(Protocol):
+    """One provider API: its name in completion events, request parsing and error shape."""
+
+    name: ProviderApiName
+    stream_media_type: str
+
+    def parse(self, document: Any, route: Route) -> ParsedCall:
+        """Validate and normalize a decoded JSON body; raises BadRequest naming the offending field."""
+
+    def error_body(self, error: ProxyError) -> dict[str, Any]:
+        """The provider's error object for ``error`` (sent with ``error.status_code``)."""
