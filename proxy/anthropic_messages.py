@@ -225,7 +225,9 @@ def _referenced_tools(request: MessagesRequest) -> set[str]:
     names = set()
     for message in request.messages:
         for block in message.content if isinstance(message.content, list) else ():
-            if isinstance(block, dict) and block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+            if not isinstance(block, dict) or block.get("type") != "tool_result":
+                continue
+            if isinstance(block.get("content"), list):
                 names.update(part.get("tool_name") for part in block["content"]
                              if isinstance(part, dict) and part.get("type") == "tool_reference")
     return names

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import orjson
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -193,6 +193,12 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         error = ProxyError("this server speaks the Responses API over HTTP (POST with SSE), not WebSocket")
         error.status_code = 426
         return JSONResponse(responses.error_body(error), status_code=426)
+
+    @app.websocket("/v1/responses")
+    @app.websocket("/s/{session_id}/v1/responses")
+    async def responses_websocket_handshake(websocket: WebSocket, session_id: str | None = None) -> None:
+        # A real handshake reaches the server as a WebSocket scope: deny it with the same 426 (not 403).
+        await websocket.send_denial_response(await responses_websocket(session_id))
 
     messages = MessagesApi()
 

@@ -1,0 +1,309 @@
+"""The real Codex CLI (``@openai/codex``, Responses API only) runs sessions through the proxy: a text-only
+session, and multi-turn sessions in which the model calls Codex's own tools (``exec_command``, its shell,
+and the freeform ``apply_patch``), Codex runs them (a file appears in the workspace), sends the results
+back and ends on a text answer with exit 0. Every call is a completion event on the ``openai.responses``
+API with token ids, and each call's prompt extends the previous call's prompt + sampled tokens.
+
+The model's output is scripted by the session's ``engine.turns`` (``structured_outputs.regex`` literals):
+the stand-in engine serves the fast sessions, the real vLLM CPU server one shell session. Codex runs with
+a throwaway HOME and ``CODEX_HOME`` holding a config.toml that points a custom provider at the session's
+OpenAI base URL (../shared/HARNESSES.md), telemetry and plugins off, with only loopback reachable
+(``tests.harnesses.isolation``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from producers.harness_install import ensure_harness
+from proxy.app import create_app
+from schemas.completions import Completion
+from schemas.transport import KafkaSettings
+from tests.harnesses.isolation import run_harness
+from tests.harnesses.test_chat_multiturn import (
+    Script,
+    ToolStep,
+    assert_prefix_chain,
+    assert_prompt_text_chain,
+)
+from tests.proxy.conftest import ProxyUnderTest, proxy_settings
+from tests.proxy.conftest import standin_url  # noqa: F401  (the stand-in engine fixture, module-scoped)
+from tests.servers import serve
+
+pytestmark = pytest.mark.kafka
+
+# A name outside Codex's model catalog: it offers exec_command, a namespace and web_search.
+PLAIN_MODEL = "qwen3-coder"
+# A catalog name: Codex adds its freeform apply_patch tool (custom, with a Lark grammar).
+CATALOG_MODEL = "gpt-5.5"
+PROOF = "codex-proof.txt"
+PROOF_TEXT = "rollwire codex ok\n"
+
+
+def codex_config(session: dict[str, Any], model: str) -> str:
+    """config.toml for a custom provider on the session: Responses wire, no retries, nothing phoning home."""
+    return f"""model = "{model}"
+model_provider = "rollwire"
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+
+[model_providers.rollwire]
+name = "rollwire"
+base_url = "{session['base_urls']['openai']}"
+env_key = "ROLLWIRE_CODEX_KEY"
+wire_api = "responses"
+request_max_retries = 0
+stream_max_retries = 0
+
+[analytics]
+enabled = false
+
+[features]
+plugins = false
+"""
+
+
+@dataclass
+class CodexRun:
+    session: dict[str, Any]
+    home: Path
+    workspace: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    events: list[Completion]
+    session_calls: int
+
+
+async def run_codex(proxy: ProxyUnderTest, root: Path, instruction: str, engine: dict[str, Any],
+                    model: str = PLAIN_MODEL) -> CodexRun:
+    """Run ``codex exec`` once in ``root/workspace`` (HOME ``root/home``) on a new session with ``engine``."""
+    home, workspace = root / "home", root / "workspace"
+    (home / "codex").mkdir(parents=True)
+    workspace.mkdir(parents=True)
+    session = proxy.new_session(engine=engine)
+    (home / "codex" / "config.toml").write_text(codex_config(session, model))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "ROLLWIRE_", "CODEX_"))}
+    env = {**base, "HOME": str(home), "CODEX_HOME": str(home / "codex"), "ROLLWIRE_CODEX_KEY": session["api_key"],
+           "NO_COLOR": "1"}
+    command = [str(ensure_harness("codex")), "exec", "--skip-git-repo-check", "--color", "never", instruction]
+    result = run_harness(command, cwd=workspace, env=env, proxy_url=proxy.url, timeout_s=600)
+    calls = httpx.get(f"{proxy.url}/v1/sessions/{session['session_id']}", timeout=30).json()["calls"]
+    events = [e for e in await proxy.completions(calls) if e.session_id == session["session_id"]] if calls else []
+    return CodexRun(session, home, workspace, result.returncode, result.stdout, result.stderr,
+                    sorted(events, key=lambda e: e.sequence), calls)
+
+
+def scripted(script: Script, max_tokens: int, seed: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "seed": seed, "turns": script.turns()}
+
+
+def shell_script() -> Script:
+    command = f"printf 'rollwire codex ok\\n' > {PROOF}"
+    return Script(steps=(ToolStep("exec_command", {"cmd": command}),), answer="Wrote the proof file.",
+                  expected_files={PROOF: PROOF_TEXT})
+
+
+def patch_script() -> Script:
+    patch = f"*** Begin Patch\n*** Add File: {PROOF}\n+rollwire codex ok\n*** End Patch\n"
+    return Script(steps=(ToolStep("apply_patch", {"input": patch}),), answer="Patched in the proof file.",
+                  expected_files={PROOF: PROOF_TEXT})
+
+
+# -- what every session must show ------------------------------------------------------------------------
+
+
+def assert_finished(run: CodexRun, answer: str) -> None:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert answer in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ERROR" not in run.stderr, run.stderr[-3000:]
+
+
+def assert_calls_recorded(run: CodexRun, calls: int) -> None:
+    """One ok completion event per scripted turn, on the Responses API, with token ids; no retry."""
+    assert run.session_calls == calls, [e.request.messages[-1] for e in run.events]
+    assert [e.sequence for e in run.events] == list(range(calls))
+    for event in run.events:
+        assert event.status == "ok", event.error
+        assert event.api == "openai.responses"
+        assert event.retry_count == 0 and event.retry_of is None
+        assert event.prompt_token_ids is not None and len(event.prompt_token_ids) > 1000
+        assert event.token_ids is not None and len(event.token_ids) > 0
+        assert event.logprobs is not None and len(event.logprobs) == len(event.token_ids)
+        body = json.loads(event.request_body)
+        assert body["stream"] is True and body["store"] is False
+        assert {t.name for t in event.request.tools} >= {"exec_command"}
+        assert not {t.name for t in event.request.tools} & {"web_search", "tool_search"}
+
+
+def assert_tool_round_trip(run: CodexRun, script: Script, kind: str) -> None:
+    """Turn 0 called the scripted tool; call 1 answers it by id with a non-empty result; the last turn is text."""
+    [step] = script.steps
+    first, last = run.events[0], run.events[-1]
+    assert first.finish_reason == "tool_calls"
+    [call] = first.message.tool_calls
+    assert call.name == step.name and json.loads(call.arguments) == step.arguments
+    echoed = [c for m in last.request.messages for c in m.tool_calls if c.id == call.id]
+    assert len(echoed) == 1 and echoed[0].kind == kind and json.loads(echoed[0].arguments) == step.arguments
+    answered = [m for m in last.request.messages if m.role == "tool" and m.tool_call_id == call.id]
+    assert len(answered) == 1 and answered[0].content
+    assert last.finish_reason == "stop" and last.message.content == script.answer
+
+
+def assert_no_server_errors(proxy: ProxyUnderTest, calls: int) -> None:
+    metrics = httpx.get(f"{proxy.url}/metrics", timeout=30).text
+    answered = {m.group(1): float(m.group(2)) for m in
+                re.finditer(r'^rollwire_proxy_requests_total\{api="openai\.responses",status="(\d+)"\} (\S+)$',
+                            metrics, re.M)}
+    assert answered == {"200": float(calls)}, answered
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harnesses" / "codex"
+
+
+def wire_shape(body: dict[str, Any]) -> dict[str, Any]:
+    """What a Codex request looks like without its text: fields, input items, tools, options."""
+    return {"fields": sorted(body), "input": [(i.get("type"), i.get("role")) for i in body["input"]],
+            "tools": [(t["type"], t.get("name"), sorted(t)) for t in body["tools"]],
+            "options": {k: body.get(k) for k in ("stream", "store", "include", "tool_choice", "parallel_tool_calls",
+                                                 "reasoning", "text")}}
+
+
+def assert_wire_matches_fixtures(run: CodexRun, name: str) -> None:
+    """The live bodies have the shape of the recorded ones (tests/fixtures/harnesses/codex/, whose own tests
+    in tests/proxy/test_openai_responses.py say what the normalizer makes of them)."""
+    for event in run.events:
+        path = FIXTURES / f"{name}_{event.sequence}.json"
+        if path.exists():
+            recorded = json.loads(path.read_text())["body"]
+            assert wire_shape(json.loads(event.request_body)) == wire_shape(recorded), (
+                f"Codex {name} call {event.sequence} changed its wire format: re-record with "
+                "tests/fixtures/harnesses/record_codex.py and check the normalizer tests")
+
+
+# -- the sessions ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def standin_proxy(kafka: KafkaSettings, standin_url: str) -> Iterator[ProxyUnderTest]:  # noqa: F811
+    with serve(create_app(proxy_settings(standin_url, record_request_body=True), kafka)) as url:
+        yield ProxyUnderTest(url, kafka)
+
+
+async def test_codex_text_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:
+    answer = "Hello from the rollwire proxy."
+    engine = {"max_tokens": 256, "seed": 1, "turns": [{"structured_outputs": {"regex": re.escape(answer)}}]}
+    run = await run_codex(standin_proxy, tmp_path, "Say hello.", engine)
+    assert_finished(run, answer)
+    assert_calls_recorded(run, 1)
+    assert run.events[0].message.content == answer and run.events[0].finish_reason == "stop"
+    assert [m.role for m in run.events[0].request.messages][:2] == ["developer", "developer"]
+    assert_no_server_errors(standin_proxy, 1)
+
+
+async def test_codex_shell_tool_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:
+    script = shell_script()
+    run = await run_codex(standin_proxy, tmp_path, f"Create {PROOF}.", scripted(script, 512, 7))
+    assert_finished(run, script.answer)
+    assert (run.workspace / PROOF).read_text() == PROOF_TEXT
+    assert_calls_recorded(run, script.calls)
+    assert_tool_round_trip(run, script, "function")
+    assert_prefix_chain(run)
+    assert_no_server_errors(standin_proxy, script.calls)
+    assert_wire_matches_fixtures(run, "shell")
+
+
+async def test_codex_apply_patch_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:
+    """The freeform tool: offered to the engine as a one-string function, the call goes back to Codex as a
+    custom_tool_call whose input is the patch, and comes back as custom_tool_call + its output."""
+    script = patch_script()
+    run = await run_codex(standin_proxy, tmp_path, f"Create {PROOF}.", scripted(script, 512, 7), CATALOG_MODEL)
+    assert_finished(run, script.answer)
+    assert (run.workspace / PROOF).read_text() == PROOF_TEXT
+    assert_calls_recorded(run, script.calls)
+    [patch_tool] = [t for t in run.events[0].request.tools if t.name == "apply_patch"]
+    assert patch_tool.kind == "custom" and patch_tool.grammar["syntax"] == "lark"
+    assert_tool_round_trip(run, script, "custom")
+    assert_prefix_chain(run)
+    assert_no_server_errors(standin_proxy, script.calls)
+    assert_wire_matches_fixtures(run, "patch")
+
+
+class ReasoningEngine(httpx.AsyncBaseTransport):
+    """The stand-in engine, but its streamed first turn (no assistant message yet) also carries reasoning
+    text, as vLLM's reasoning parser would send it (a ``reasoning`` delta, no token ids of its own)."""
+
+    def __init__(self, reasoning: str) -> None:
+        self.reasoning = reasoning
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        response = await self._inner.handle_async_request(request)
+        if request.url.path != "/v1/chat/completions":
+            return response
+        sent = json.loads(body)
+        if not sent.get("stream") or any(m["role"] == "assistant" for m in sent["messages"]):
+            return response
+        first, rest = (await response.aread()).split(b"\n\n", 1)
+        chunk = json.loads(first.removeprefix(b"data: "))
+        chunk.update(prompt_token_ids=None, choices=[{"index": 0, "delta": {"reasoning": self.reasoning},
+                                                      "finish_reason": None, "token_ids": [], "logprobs": None}])
+        injected = first + b"\n\ndata: " + json.dumps(chunk).encode() + b"\n\n" + rest
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=injected)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def test_codex_echoes_reasoning_back_through_encrypted_content(
+        kafka: KafkaSettings, standin_url: str, tmp_path: Path) -> None:  # noqa: F811
+    """Codex keeps the reasoning item of a tool turn and sends it back with its ``encrypted_content``; the
+    proxy decodes it to the very text the engine produced, so the next prompt holds that reasoning."""
+    thought = "The user wants a proof file; one shell command writes it. ✓"
+    app = create_app(proxy_settings(standin_url, record_request_body=True), kafka,
+                     engine_transport=ReasoningEngine(thought))
+    with serve(app) as url:
+        proxy = ProxyUnderTest(url, kafka)
+        script = shell_script()
+        run = await run_codex(proxy, tmp_path, f"Create {PROOF}.", scripted(script, 512, 7))
+    assert_finished(run, script.answer)
+    assert_calls_recorded(run, script.calls)
+    first, second = run.events
+    assert first.message.reasoning == thought
+    [echoed] = [i for i in json.loads(second.request_body)["input"] if i.get("type") == "reasoning"]
+    assert echoed["encrypted_content"] and thought not in echoed["encrypted_content"]
+    [assistant] = [m for m in second.request.messages if m.role == "assistant"]
+    assert assistant.reasoning == thought and assistant.tool_calls[0].name == "exec_command"
+    assert f"<think>{thought}</think>".encode() in bytes(second.prompt_token_ids.tolist())
+
+
+@pytest.fixture
+def vllm_proxy(kafka: KafkaSettings, vllm_url: str) -> Iterator[ProxyUnderTest]:
+    with serve(create_app(proxy_settings(vllm_url, record_request_body=True, engine_timeout_s=300), kafka)) as url:
+        yield ProxyUnderTest(url, kafka)
+
+
+@pytest.mark.parametrize(("name", "model", "kind"), [("shell", PLAIN_MODEL, "function"),
+                                                     ("patch", CATALOG_MODEL, "custom")])
+async def test_codex_tool_session_against_real_vllm(vllm_proxy: ProxyUnderTest, vllm_url: str, tmp_path: Path,
+                                                    name: str, model: str, kind: str) -> None:
+    """The same sessions on the real engine: guided decoding forces the text, vLLM's hermes parser makes it
+    a tool call, the proxy a function_call (or custom_tool_call) item, and Codex runs it."""
+    script = shell_script() if name == "shell" else patch_script()
+    run = await run_codex(vllm_proxy, tmp_path, f"Create {PROOF}.", scripted(script, 256, 11), model)
+    assert_finished(run, script.answer)
+    assert (run.workspace / PROOF).read_text() == PROOF_TEXT
+    assert_calls_recorded(run, script.calls)
+    assert_tool_round_trip(run, script, kind)
+    assert_prompt_text_chain(run, vllm_url)
+    assert_no_server_errors(vllm_proxy, script.calls)
