@@ -1,0 +1,177 @@
+"""What every trajectory builder shares: session facts, input cleaning, trace assembly.
+
+Builders are pure functions of a session's completion events and a few facts about the session: the
+same input, in any order and with any duplicates, gives the same trajectory (same trace ids, same event
+id), so a rebuild from the log or a worker restarted after a crash re-emits identical events that
+consumers de-duplicate on ``event_id``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import numpy as np
+
+from schemas.completions import Completion
+from schemas.envelope import utcnow
+from schemas.sessions import FailureKind, SessionStatus
+from schemas.tasks import BuilderName
+from schemas.trajectories import Trace, Trajectory, TrajectoryStats
+
+
+@dataclass(frozen=True, slots=True)
+class SessionFacts:
+    """What the builder is told about the session besides its completions."""
+
+    session_id: str
+    task_id: str | None = None
+    policy_version: str | None = None
+    status: SessionStatus | None = None
+    failure: FailureKind | None = None
+    partial: bool = False
+    ended_at: datetime | None = None  # stamps the trajectory; defaults to the latest completion's time
+
+
+Builder = Callable[[Iterable[Completion], SessionFacts], Trajectory]
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """A usable completion reduced to read-only numpy views of its tokens (no copies)."""
+
+    event: Completion
+    prompt: np.ndarray
+    sampled: np.ndarray
+    logprobs: np.ndarray | None  # None: the engine returned no logprobs at all
+
+    @property
+    def sequence(self) -> int:
+        return self.event.sequence
+
+    @property
+    def event_id(self) -> str:
+        return self.event.event_id
+
+    @property
+    def full_len(self) -> int:
+        return len(self.prompt) + len(self.sampled)
+
+    def name(self) -> str:
+        return f"completion {self.event_id} (sequence {self.sequence})"
+
+
+@dataclass(slots=True)
+class Session:
+    """A session's completions after cleaning: usable calls in sequence order, plus the bookkeeping."""
+
+    facts: SessionFacts
+    events: list[Completion]  # every distinct event, sorted by (sequence, event_id)
+    calls: list[Call]  # the usable ones (status ok, with token ids)
+    stats: TrajectoryStats = field(default_factory=TrajectoryStats)
+
+
+def prepare(completions: Iterable[Completion], facts: SessionFacts) -> Session:
+    """Sort by sequence, drop re-delivered events (same event id), reject failed or token-less calls."""
+    stats = TrajectoryStats()
+    ordered = sorted(completions, key=lambda c: (c.sequence, c.event_id))
+    events: list[Completion] = []
+    seen: set[str] = set()
+    for event in ordered:
+        if event.event_id not in seen:
+            seen.add(event.event_id)
+            events.append(event)
+    stats.completions = len(events)
+    calls: list[Call] = []
+    previous: Completion | None = None
+    for event in events:
+        if previous is not None and previous.sequence == event.sequence:
+            stats.problems.append(f"sequence {event.sequence} is carried by two events ({previous.event_id}, "
+                                  f"{event.event_id}); both kept, ordered by event id")
+        previous = event
+        if event.session_id != facts.session_id:
+            stats.rejected += 1
+            stats.problems.append(f"completion {event.event_id} (sequence {event.sequence}) belongs to "
+                                  f"session {event.session_id!r}, not {facts.session_id!r}; skipped")
+            continue
+        if event.status != "ok":
+            stats.rejected += 1  # failed calls are never trained on
+            continue
+        if event.prompt_token_ids is None or event.token_ids is None:
+            stats.rejected += 1
+            stats.problems.append(f"completion {event.event_id} (sequence {event.sequence}) has no token ids "
+                                  f"(capture failed?); skipped, never re-tokenized from text")
+            continue
+        logprobs = event.logprobs.numpy if event.logprobs is not None else None
+        calls.append(Call(event, event.prompt_token_ids.numpy, event.token_ids.numpy, logprobs))
+    return Session(facts, events, calls, stats)
+
+
+class TraceArrays:
+    """One trace's token, mask and logprob arrays, filled span by span (vectorized, no token loops)."""
+
+    __slots__ = ("tokens", "mask", "logprobs")
+
+    def __init__(self, last: Call, calls: Iterable[Call]) -> None:
+        # Every call of a trace is a prefix of its last call's full sequence, so that one sequence is the
+        # trace's tokens; the calls only say where the sampled (trainable) spans lie.
+        self.tokens = np.concatenate([last.prompt, last.sampled]).astype(np.int32, copy=False)
+        n = len(self.tokens)
+        self.mask = np.zeros(n, dtype=np.uint8)
+        wide = any(c.logprobs is not None and c.logprobs.dtype == np.float64 for c in calls)
+        self.logprobs = np.full(n, np.nan, dtype=np.float64 if wide else np.float32)
+
+    def sample(self, call: Call, stats: TrajectoryStats) -> None:
+        """Mark ``call``'s sampled span trainable where it has a logprob; report tokens without one."""
+        start, count = len(call.prompt), len(call.sampled)
+        if count == 0:
+            return
+        if call.logprobs is None:
+            missing = count
+        else:
+            present = ~np.isnan(call.logprobs)
+            self.mask[start:start + count] = present
+            self.logprobs[start:start + count] = call.logprobs
+            missing = count - int(present.sum())
+        if missing:
+            # Masked out rather than trained with a made-up value: mask 1 always comes with a real logprob.
+            stats.missing_logprobs += missing
+            stats.problems.append(f"{call.name()}: {missing} of {count} sampled tokens have no logprob; "
+                                  f"they are masked out (loss mask 0)")
+
+    def trace(self, *, trace_id: str, branch: int, parent_branch: int | None, calls: list[Call]) -> Trace:
+        return Trace(trace_id=trace_id, branch=branch, parent_branch=parent_branch,
+                     completion_ids=[c.event_id for c in calls], sequences=[c.sequence for c in calls],
+                     token_ids=self.tokens, loss_mask=self.mask, logprobs=self.logprobs,
+                     truncated=calls[-1].event.finish_reason == "length")
+
+
+def trace_id(session_id: str, label: str) -> str:
+    """A trace id derived from the session and the trace's place in it (never random)."""
+    return f"{session_id}/{label}"
+
+
+def _common(values: Iterable[str | None], what: str, stats: TrajectoryStats) -> str | None:
+    distinct = sorted({v for v in values if v is not None})
+    if len(distinct) > 1:
+        stats.problems.append(f"completions carry different {what}s: {', '.join(distinct)}")
+    return distinct[-1] if distinct else None
+
+
+def trajectory(builder: BuilderName, session: Session, traces: list[Trace]) -> Trajectory:
+    """Wrap traces into the Trajectory event, with an event id derived from its inputs."""
+    facts, stats = session.facts, session.stats
+    stats.traces = len(traces)
+    stats.truncated = sum(t.truncated for t in traces)
+    events = [c.event for c in session.calls]
+    policy_version = facts.policy_version or _common((e.policy_version for e in events), "policy version", stats)
+    task_id = facts.task_id or _common((e.task_id for e in events), "task id", stats)
+    digest = hashlib.sha256("\0".join([builder, facts.session_id, str(facts.partial),
+                                       *sorted(e.event_id for e in session.events)]).encode()).hexdigest()
+    occurred_at = facts.ended_at or max((e.occurred_at for e in session.events), default=None) or utcnow()
+    return Trajectory(event_id=digest[:32], occurred_at=occurred_at, session_id=facts.session_id,
+                      task_id=task_id, builder=builder, policy_version=policy_version,
+                      session_status=facts.status, failure=facts.failure, partial=facts.partial,
+                      traces=traces, stats=stats)
