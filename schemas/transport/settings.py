@@ -33,7 +33,10 @@ class KafkaSettings(BaseSettings):
     task_partitions: int = Field(default=DEFAULT_TASK_PARTITIONS, ge=1)
     max_message_bytes: int = Field(default=MAX_MESSAGE_BYTES, ge=1024 * 1024)
     kafka_client_id: str = "rollwire"
-    kafka_linger_ms: int = Field(default=2, ge=0)
+    # No linger by default: the proxy waits for the ack of each completion before a harness sees the end of
+    # its reply, and aiokafka keeps one produce request per broker in flight, so under load records batch
+    # by themselves while the previous request is out; a linger would only add its time to every reply.
+    kafka_linger_ms: int = Field(default=0, ge=0)
     kafka_request_timeout_ms: int = Field(default=30_000, ge=1000)
 
     @field_validator("kafka_bootstrap")
