@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
 
 import httpx
 import orjson

@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
-from proxy.providers import ParsedCall, Route
+from proxy.providers import ParsedCall, Route, bad_request, validate_body
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -148,25 +148,11 @@ class MessagesRequest(_Wire):
     output_config: OutputConfig | None = None
 
 
-def _validation_error(exc: ValidationError, prefix: str = "") -> BadRequest:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in (*([prefix] if prefix else []), *first["loc"]))
-    return BadRequest(f"invalid request: {where}: {first['msg']}", param=where)
-
-
 def parse_request(document: Any, *, need_max_tokens: bool) -> MessagesRequest:
     """Validate a decoded JSON body; BadRequest names the first offending field."""
-    if not isinstance(document, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        request = MessagesRequest.model_validate(document)
-    except ValidationError as exc:
-        raise _validation_error(exc) from exc
+    request = validate_body(MessagesRequest, document, _KNOWN_IGNORED)
     if need_max_tokens and request.max_tokens is None:
         raise BadRequest("invalid request: max_tokens: Field required", param="max_tokens")
-    ignored = set(request.model_extra or ()) - _KNOWN_IGNORED
-    if ignored:
-        logger.debug("messages request fields ignored: %s", sorted(ignored))
     return request
 
 
@@ -196,7 +182,7 @@ def _block(model: type[_Wire], block: dict[str, Any], where: str) -> Any:
     try:
         return model.model_validate(block)
     except ValidationError as exc:
-        raise _validation_error(exc, where) from exc
+        raise bad_request(exc, where) from exc
 
 
 def _refuse(kind: Any, where: str) -> BadRequest:

@@ -42,11 +42,11 @@ import zlib
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.engine import EngineDelta, EngineTurn
 from proxy.errors import BadRequest, ProxyError
-from proxy.providers import ParsedCall, Route
+from proxy.providers import ParsedCall, Route, validate_body
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -150,14 +150,7 @@ class GenerateContentRequest(_Wire):
 
 def parse_request(document: Any) -> GenerateContentRequest:
     """Validate a decoded JSON body; BadRequest names the first offending field."""
-    if not isinstance(document, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        request = GenerateContentRequest.model_validate(document)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise BadRequest(f"invalid request: {where}: {first['msg']}", param=where) from exc
+    request = validate_body(GenerateContentRequest, document, _KNOWN_IGNORED)
     config = request.generationConfig
     if config is not None and config.candidateCount not in (None, 1):
         raise BadRequest("only candidateCount 1 is supported: each sample is its own session",
@@ -165,8 +158,6 @@ def parse_request(document: Any) -> GenerateContentRequest:
     extra = set(request.model_extra or ())
     if extra & {"safetySettings", "cachedContent"}:
         logger.info("gemini request: %s accepted and ignored", sorted(extra & {"safetySettings", "cachedContent"}))
-    if extra - _KNOWN_IGNORED:
-        logger.debug("gemini request fields ignored: %s", sorted(extra - _KNOWN_IGNORED))
     return request
 
 

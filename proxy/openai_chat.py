@@ -15,11 +15,11 @@ import uuid
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
-from proxy.providers import ParsedCall, Route
+from proxy.providers import ParsedCall, Route, validate_body
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -102,18 +102,7 @@ class ChatCompletionRequest(_Wire):
 
 def parse_request(document: Any) -> ChatCompletionRequest:
     """Validate a decoded JSON body; BadRequest names the first offending field."""
-    if not isinstance(document, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        request = ChatCompletionRequest.model_validate(document)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise BadRequest(f"invalid request: {where}: {first['msg']}", param=where) from exc
-    ignored = set(request.model_extra or ()) - _KNOWN_IGNORED
-    if ignored:
-        logger.debug("chat request fields ignored: %s", sorted(ignored))
-    return request
+    return validate_body(ChatCompletionRequest, document, _KNOWN_IGNORED)
 
 
 def _content(content: str | list[dict[str, Any]] | None, where: str) -> str | list[ContentPart] | None:

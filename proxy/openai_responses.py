@@ -62,12 +62,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
 from proxy.openai_chat import error_body as openai_error_body
-from proxy.providers import ParsedCall, Route
+from proxy.providers import ParsedCall, Route, validate_body
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -125,23 +125,13 @@ class ResponsesRequest(_Wire):
 
 def parse_request(document: Any) -> ResponsesRequest:
     """Validate a decoded JSON body; BadRequest names the first offending field."""
-    if not isinstance(document, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        request = ResponsesRequest.model_validate(document)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise BadRequest(f"invalid request: {where}: {first['msg']}", param=where) from exc
+    request = validate_body(ResponsesRequest, document, _KNOWN_IGNORED)
     if request.previous_response_id is not None or request.conversation is not None:
         param = "previous_response_id" if request.previous_response_id is not None else "conversation"
         raise BadRequest(f"{param} is not supported: this server stores nothing, send the whole conversation "
                          "in input (store: false)", param=param)
     if isinstance(request.input, list) and not request.input:
         raise BadRequest("input must not be empty", param="input")
-    ignored = set(request.model_extra or ()) - _KNOWN_IGNORED
-    if ignored:
-        logger.debug("responses request fields ignored: %s", sorted(ignored))
     return request
 
 

@@ -9,12 +9,45 @@ renderer, or with ``error_body`` when anything raises a :class:`~proxy.errors.Pr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from proxy.engine import EngineDelta, EngineTurn
-from proxy.errors import ProxyError
+from proxy.errors import BadRequest, ProxyError
 from schemas.completions import NormalizedRequest, ProviderApi as ProviderApiName
+
+
+logger = logging.getLogger(__name__)
+
+WireT = TypeVar("WireT", bound=BaseModel)
+
+
+def bad_request(exc: ValidationError, prefix: str = "") -> BadRequest:
+    """A BadRequest naming the first field pydantic refused (``prefix``: where the validated part sits)."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in (*([prefix] if prefix else []), *first["loc"]))
+    return BadRequest(f"invalid request: {where}: {first['msg']}", param=where)
+
+
+def validate_body(model: type[WireT], document: Any, known_ignored: frozenset[str] | set[str] = frozenset()) -> WireT:
+    """A decoded JSON body as the provider's wire ``model``; BadRequest names the first offending field.
+
+    Top-level fields the model does not know are accepted (clients add new ones every month) and logged,
+    unless ``known_ignored`` lists them as deliberately ignored.
+    """
+    if not isinstance(document, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        request = model.model_validate(document)
+    except ValidationError as exc:
+        raise bad_request(exc) from exc
+    ignored = set(request.model_extra or ()) - set(known_ignored)
+    if ignored:
+        logger.debug("%s fields ignored: %s", model.__name__, sorted(ignored))
+    return request
 
 
 class Renderer(Protocol):
