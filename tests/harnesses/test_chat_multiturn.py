@@ -17,24 +17,31 @@ sends fails here, and the fixtures' own tests say what the normalizer makes of i
 from __future__ import annotations
 
 import json
-import os
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from producers.harness_install import ensure_harness
-from proxy.app import create_app
-from schemas.completions import Completion
-from schemas.transport import KafkaSettings
-from tests.harnesses.isolation import run_harness
-from tests.proxy.conftest import ProxyUnderTest, proxy_settings
+from tests.harnesses.common import (
+    Script,
+    SessionRun,
+    ToolStep,
+    assert_calls_recorded as assert_events_recorded,
+    assert_files_written,
+    assert_no_server_errors,
+    assert_prefix_chain,
+    assert_prompt_text_chain,
+    clean_env,
+    make_dirs,
+    run_on_session,
+    standin_proxy,  # noqa: F401  (fixture)
+    vllm_proxy,  # noqa: F401  (fixture)
+)
+from tests.proxy.conftest import ProxyUnderTest
 from tests.proxy.conftest import standin_url  # noqa: F401  (the stand-in engine fixture, module-scoped)
-from tests.servers import serve
 
 pytestmark = pytest.mark.kafka
 
@@ -44,59 +51,6 @@ INSTRUCTION = "Create notes.txt with the line alpha, then append the line beta, 
 
 
 # -- scripted model output ---------------------------------------------------------------------------
-
-_REGEX_SPECIALS = set(".^$*+?()[]{}|\\/")
-
-
-def literal_regex(text: str) -> str:
-    """A regex that matches exactly ``text``: metacharacters escaped, newlines as ``\\n``. Both engines
-    read it as a literal (the stand-in replies with it verbatim; vLLM's guided decoding forces it)."""
-    out = []
-    for ch in text:
-        if ch in _REGEX_SPECIALS:
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-@dataclass(frozen=True)
-class ToolStep:
-    name: str
-    arguments: dict[str, Any]
-
-    def text(self) -> str:
-        """The hermes block the model is forced to write, laid out as the chat template renders a tool call.
-
-        Both CLIs parse the arguments they get and echo them back through ``JSON.stringify`` (no spaces; see
-        the fixtures), so the argument text of the next request is theirs, not the model's. vLLM parses
-        echoed arguments into an object and the template re-serializes them with ``json.dumps``'s default
-        separators (the stand-in does the same): written in that layout, the model's text comes back
-        unchanged in the next prompt."""
-        arguments = json.dumps(self.arguments, ensure_ascii=False)
-        return f'<tool_call>\n{{"name": "{self.name}", "arguments": {arguments}}}\n</tool_call>'
-
-
-@dataclass(frozen=True)
-class Script:
-    """What the model says, turn by turn: tool calls, then a final answer; and what the workspace holds then."""
-
-    steps: tuple[ToolStep, ...]
-    answer: str
-    expected_files: dict[str, str]
-
-    @property
-    def calls(self) -> int:
-        return len(self.steps) + 1
-
-    def turns(self) -> list[dict[str, Any]]:
-        texts = [step.text() for step in self.steps] + [self.answer]
-        return [{"structured_outputs": {"regex": literal_regex(text)}} for text in texts]
-
 
 def qwen_script(workspace: Path) -> Script:
     # write_file wants an absolute path; run_shell_command runs in the project root (the cwd).
@@ -152,50 +106,36 @@ PI = ChatCli("pi", pi_script, _configure_pi)
 
 
 @dataclass
-class SessionRun:
+class ChatRun(SessionRun):
+    """A chat CLI's scripted session: the CLI and its script with the run."""
+
     cli: ChatCli
     script: Script
-    session: dict[str, Any]
-    home: Path
-    workspace: Path
-    returncode: int
-    stdout: str
-    stderr: str
-    events: list[Completion]
-    session_calls: int
 
 
 async def run_scripted_session(proxy: ProxyUnderTest, cli: ChatCli, root: Path, *, max_tokens: int,
-                               seed: int) -> SessionRun:
+                               seed: int) -> ChatRun:
     """Run ``cli`` once in ``root/workspace`` (HOME ``root/home``) on a session scripted by its Script."""
-    home, workspace = root / "home", root / "workspace"
-    home.mkdir(parents=True)
-    workspace.mkdir(parents=True)
+    home, workspace = make_dirs(root)
     script = cli.script(workspace)
     session = proxy.new_session(engine={"max_tokens": max_tokens, "seed": seed, "turns": script.turns()})
     command, env = cli.configure(home, session)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "ROLLWIRE_", "PI_"))}
-    result = run_harness(command, cwd=workspace, env={**base, "HOME": str(home), **env}, proxy_url=proxy.url)
-    calls = httpx.get(f"{proxy.url}/v1/sessions/{session['session_id']}", timeout=30).json()["calls"]
-    events = [e for e in await proxy.completions(calls) if e.session_id == session["session_id"]]
-    return SessionRun(cli, script, session, home, workspace, result.returncode, result.stdout, result.stderr,
-                      events, calls)
+    return await run_on_session(proxy, session, command, home=home, workspace=workspace,
+                                env={**clean_env("PI_"), "HOME": str(home), **env}, run_type=ChatRun,
+                                cli=cli, script=script)
 
 
 # -- what every scripted session must show -----------------------------------------------------------
 
-def assert_cli_finished(run: SessionRun) -> None:
+def assert_cli_finished(run: ChatRun) -> None:
     """Exit 0, the files the tools were told to write, and the final answer in the CLI's output."""
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "API Error" not in run.stdout, run.stdout[-3000:]
-    for name, content in run.script.expected_files.items():
-        path = run.workspace / name
-        assert path.is_file(), f"{run.cli.name} did not run its tools: no {name}\n{run.stdout[-3000:]}"
-        assert path.read_text() == content
+    assert_files_written(run, run.script, run.cli.name)
     assert run.script.answer in run.stdout
 
 
-def assert_client_saw_no_errors(run: SessionRun) -> None:
+def assert_client_saw_no_errors(run: ChatRun) -> None:
     """Qwen Code's own account (``-o json``): as many API requests as scripted turns, none failed. A stream
     without a finish_reason would show up here as retried requests (it retries twice, then gives up
     silently with exit 0). Pi's ``-p`` prints only the answer, checked by assert_cli_finished."""
@@ -207,23 +147,15 @@ def assert_client_saw_no_errors(run: SessionRun) -> None:
     assert (api["totalRequests"], api["totalErrors"]) == (run.script.calls, 0), api
 
 
-def assert_calls_recorded(run: SessionRun) -> None:
+def assert_calls_recorded(run: ChatRun) -> None:
     """One ok completion event per scripted turn, each with token ids and one logprob per sampled token;
     no extra call (a retry, a side call) and no retry marker."""
-    events = sorted(run.events, key=lambda e: e.sequence)
-    assert run.session_calls == run.script.calls, [e.request.messages[-1] for e in events]
-    assert [e.sequence for e in events] == list(range(run.script.calls))
-    for event in events:
-        assert event.status == "ok", event.error
-        assert event.api == "openai.chat"
-        assert event.retry_count == 0 and event.retry_of is None
+    assert_events_recorded(run, "openai.chat", run.script.calls, min_prompt_tokens=100)
+    for event in run.events:
         assert event.request_body is not None
-        assert event.prompt_token_ids is not None and len(event.prompt_token_ids) > 100
-        assert event.token_ids is not None and len(event.token_ids) > 0
-        assert event.logprobs is not None and len(event.logprobs) == len(event.token_ids)
 
 
-def assert_tool_round_trips(run: SessionRun) -> None:
+def assert_tool_round_trips(run: ChatRun) -> None:
     """Turn k called the scripted tool and its finish reason said so; the CLI answered that call (by id)
     in call k+1, whose prompt holds k+1 assistant messages; the last turn ended on the scripted text."""
     events = sorted(run.events, key=lambda e: e.sequence)
@@ -242,58 +174,6 @@ def assert_tool_round_trips(run: SessionRun) -> None:
     last = events[-1]
     assert last.finish_reason == "stop"
     assert last.message is not None and last.message.content == run.script.answer and not last.message.tool_calls
-
-
-def assert_prefix_chain(run: SessionRun) -> None:
-    """Call k+1's prompt starts with call k's prompt followed by the tokens call k sampled: the CLIs keep
-    their history append-only, and the scripted text is laid out as the template writes it back (see
-    ToolStep.text). Holds token for token where the engine tokenizes as it samples (the stand-in)."""
-    events = sorted(run.events, key=lambda e: e.sequence)
-    for earlier, later in zip(events, events[1:]):
-        head = earlier.prompt_token_ids.tolist() + earlier.token_ids.tolist()
-        prompt = later.prompt_token_ids.tolist()
-        differs = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), min(len(head), len(prompt)))
-        assert len(prompt) > len(head) and differs == len(head), (
-            f"call {later.sequence} does not extend call {earlier.sequence} (+ its {len(earlier.token_ids)} sampled "
-            f"tokens, {len(head)} in all): first difference at token {differs}")
-
-
-_END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
-
-
-def assert_prompt_text_chain(run: SessionRun, engine_url: str) -> None:
-    """On the real engine: call k+1's prompt starts with call k's prompt token for token (the CLI's history
-    is append-only), and the text that follows it starts with the text call k sampled.
-
-    The sampled tokens themselves are not repeated: the model wrote ``<tool_call>`` as ordinary text
-    pieces (guided decoding lets it), where the template writes the one special token; the JSON's BPE
-    pieces can differ as well, and the turn may end on ``<|endoftext|>`` where the template writes
-    ``<|im_end|>``. That is the engine re-tokenizing text, not the CLI rewriting its history; it is why a
-    trajectory keeps the sampled ids of each call rather than re-tokenizing the next prompt."""
-    events = sorted(run.events, key=lambda e: e.sequence)
-    for earlier, later in zip(events, events[1:]):
-        prompt, sampled = earlier.prompt_token_ids.tolist(), earlier.token_ids.tolist()
-        assert later.prompt_token_ids.tolist()[:len(prompt)] == prompt, f"call {later.sequence} rewrote the history"
-        said = _detokenize(engine_url, sampled)
-        for end in _END_OF_TURN:
-            said = said.removesuffix(end)
-        following = _detokenize(engine_url, later.prompt_token_ids.tolist()[len(prompt):])
-        assert following.startswith(said), (said, following[:len(said) + 40])
-
-
-def _detokenize(engine_url: str, ids: list[int]) -> str:
-    response = httpx.post(f"{engine_url}/detokenize", json={"tokens": ids}, timeout=60)
-    response.raise_for_status()
-    return response.json()["prompt"]
-
-
-def assert_no_server_errors(proxy: ProxyUnderTest, calls: int) -> None:
-    """The proxy's own counters: every model call answered 200, none 5xx."""
-    metrics = httpx.get(f"{proxy.url}/metrics", timeout=30).text
-    answered = {m.group(1): float(m.group(2)) for m in
-                re.finditer(r'^rollwire_proxy_requests_total\{api="openai\.chat",status="(\d+)"\} (\S+)$', metrics,
-                            re.M)}
-    assert answered == {"200": float(calls)}, answered
 
 
 # -- wire shape, compared with the recorded fixtures -------------------------------------------------
@@ -321,7 +201,7 @@ def fixture_bodies(cli: str) -> list[dict[str, Any]]:
     return [json.loads(path.read_text())["body"] for path in sorted((FIXTURES / cli).glob("call_*.json"))]
 
 
-def assert_wire_matches_fixtures(run: SessionRun) -> None:
+def assert_wire_matches_fixtures(run: ChatRun) -> None:
     recorded = fixture_bodies(run.cli.name)
     assert len(recorded) == run.script.calls, "re-record: python tests/fixtures/harnesses/record_chat.py"
     for event, body in zip(sorted(run.events, key=lambda e: e.sequence), recorded):
@@ -333,14 +213,8 @@ def assert_wire_matches_fixtures(run: SessionRun) -> None:
 
 # -- the sessions ------------------------------------------------------------------------------------
 
-@pytest.fixture
-def standin_proxy(kafka: KafkaSettings, standin_url: str) -> Iterator[ProxyUnderTest]:
-    with serve(create_app(proxy_settings(standin_url, record_request_body=True), kafka)) as url:
-        yield ProxyUnderTest(url, kafka)
-
-
 @pytest.mark.parametrize("cli", [QWEN, PI], ids=lambda cli: cli.name)
-async def test_scripted_tool_session_against_standin(cli: ChatCli, standin_proxy: ProxyUnderTest,
+async def test_scripted_tool_session_against_standin(cli: ChatCli, standin_proxy: ProxyUnderTest,  # noqa: F811
                                                      tmp_path: Path) -> None:
     # max_tokens covers the longest forced text: the stand-in samples one token per byte.
     run = await run_scripted_session(standin_proxy, cli, tmp_path, max_tokens=512, seed=7)
@@ -349,14 +223,8 @@ async def test_scripted_tool_session_against_standin(cli: ChatCli, standin_proxy
     assert_calls_recorded(run)
     assert_tool_round_trips(run)
     assert_prefix_chain(run)
-    assert_no_server_errors(standin_proxy, run.script.calls)
+    assert_no_server_errors(standin_proxy, "openai.chat", run.script.calls)
     assert_wire_matches_fixtures(run)
-
-
-@pytest.fixture
-def vllm_proxy(kafka: KafkaSettings, vllm_url: str) -> Iterator[ProxyUnderTest]:
-    with serve(create_app(proxy_settings(vllm_url, record_request_body=True, engine_timeout_s=300), kafka)) as url:
-        yield ProxyUnderTest(url, kafka)
 
 
 async def test_qwen_code_scripted_tool_session_against_real_vllm(vllm_proxy: ProxyUnderTest, vllm_url: str,
@@ -369,4 +237,4 @@ async def test_qwen_code_scripted_tool_session_against_real_vllm(vllm_proxy: Pro
     assert_calls_recorded(run)
     assert_tool_round_trips(run)
     assert_prompt_text_chain(run, vllm_url)
-    assert_no_server_errors(vllm_proxy, run.script.calls)
+    assert_no_server_errors(vllm_proxy, "openai.chat", run.script.calls)

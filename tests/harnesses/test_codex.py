@@ -14,10 +14,7 @@ OpenAI base URL (../shared/HARNESSES.md), telemetry and plugins off, with only l
 from __future__ import annotations
 
 import json
-import os
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +22,24 @@ import httpx
 import pytest
 
 from producers.harness_install import ensure_harness
-from proxy.app import create_app
-from schemas.completions import Completion
 from schemas.transport import KafkaSettings
-from tests.harnesses.isolation import run_harness
-from tests.harnesses.test_chat_multiturn import (
+from tests.harnesses.common import (
     Script,
+    SessionRun,
     ToolStep,
+    assert_calls_recorded as assert_events_recorded,
+    assert_no_server_errors,
     assert_prefix_chain,
     assert_prompt_text_chain,
+    clean_env,
+    make_dirs,
+    run_on_session,
+    serve_proxy,
+    standin_proxy,  # noqa: F401  (fixture)
+    vllm_proxy,  # noqa: F401  (fixture)
 )
-from tests.proxy.conftest import ProxyUnderTest, proxy_settings
+from tests.proxy.conftest import ProxyUnderTest
 from tests.proxy.conftest import standin_url  # noqa: F401  (the stand-in engine fixture, module-scoped)
-from tests.servers import serve
 
 pytestmark = pytest.mark.kafka
 
@@ -72,35 +74,17 @@ plugins = false
 """
 
 
-@dataclass
-class CodexRun:
-    session: dict[str, Any]
-    home: Path
-    workspace: Path
-    returncode: int
-    stdout: str
-    stderr: str
-    events: list[Completion]
-    session_calls: int
-
-
 async def run_codex(proxy: ProxyUnderTest, root: Path, instruction: str, engine: dict[str, Any],
-                    model: str = PLAIN_MODEL) -> CodexRun:
+                    model: str = PLAIN_MODEL) -> SessionRun:
     """Run ``codex exec`` once in ``root/workspace`` (HOME ``root/home``) on a new session with ``engine``."""
-    home, workspace = root / "home", root / "workspace"
-    (home / "codex").mkdir(parents=True)
-    workspace.mkdir(parents=True)
+    home, workspace = make_dirs(root)
+    (home / "codex").mkdir()
     session = proxy.new_session(engine=engine)
     (home / "codex" / "config.toml").write_text(codex_config(session, model))
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "ROLLWIRE_", "CODEX_"))}
-    env = {**base, "HOME": str(home), "CODEX_HOME": str(home / "codex"), "ROLLWIRE_CODEX_KEY": session["api_key"],
-           "NO_COLOR": "1"}
+    env = {**clean_env("CODEX_"), "HOME": str(home), "CODEX_HOME": str(home / "codex"),
+           "ROLLWIRE_CODEX_KEY": session["api_key"], "NO_COLOR": "1"}
     command = [str(ensure_harness("codex")), "exec", "--skip-git-repo-check", "--color", "never", instruction]
-    result = run_harness(command, cwd=workspace, env=env, proxy_url=proxy.url, timeout_s=600)
-    calls = httpx.get(f"{proxy.url}/v1/sessions/{session['session_id']}", timeout=30).json()["calls"]
-    events = [e for e in await proxy.completions(calls) if e.session_id == session["session_id"]] if calls else []
-    return CodexRun(session, home, workspace, result.returncode, result.stdout, result.stderr,
-                    sorted(events, key=lambda e: e.sequence), calls)
+    return await run_on_session(proxy, session, command, home=home, workspace=workspace, env=env, timeout_s=600)
 
 
 def scripted(script: Script, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -122,30 +106,23 @@ def patch_script() -> Script:
 # -- what every session must show ------------------------------------------------------------------------
 
 
-def assert_finished(run: CodexRun, answer: str) -> None:
+def assert_finished(run: SessionRun, answer: str) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert answer in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ERROR" not in run.stderr, run.stderr[-3000:]
 
 
-def assert_calls_recorded(run: CodexRun, calls: int) -> None:
+def assert_calls_recorded(run: SessionRun, calls: int) -> None:
     """One ok completion event per scripted turn, on the Responses API, with token ids; no retry."""
-    assert run.session_calls == calls, [e.request.messages[-1] for e in run.events]
-    assert [e.sequence for e in run.events] == list(range(calls))
+    assert_events_recorded(run, "openai.responses", calls, min_prompt_tokens=1000)
     for event in run.events:
-        assert event.status == "ok", event.error
-        assert event.api == "openai.responses"
-        assert event.retry_count == 0 and event.retry_of is None
-        assert event.prompt_token_ids is not None and len(event.prompt_token_ids) > 1000
-        assert event.token_ids is not None and len(event.token_ids) > 0
-        assert event.logprobs is not None and len(event.logprobs) == len(event.token_ids)
         body = json.loads(event.request_body)
         assert body["stream"] is True and body["store"] is False
         assert {t.name for t in event.request.tools} >= {"exec_command"}
         assert not {t.name for t in event.request.tools} & {"web_search", "tool_search"}
 
 
-def assert_tool_round_trip(run: CodexRun, script: Script, kind: str) -> None:
+def assert_tool_round_trip(run: SessionRun, script: Script, kind: str) -> None:
     """Turn 0 called the scripted tool; call 1 answers it by id with a non-empty result; the last turn is text."""
     [step] = script.steps
     first, last = run.events[0], run.events[-1]
@@ -159,14 +136,6 @@ def assert_tool_round_trip(run: CodexRun, script: Script, kind: str) -> None:
     assert last.finish_reason == "stop" and last.message.content == script.answer
 
 
-def assert_no_server_errors(proxy: ProxyUnderTest, calls: int) -> None:
-    metrics = httpx.get(f"{proxy.url}/metrics", timeout=30).text
-    answered = {m.group(1): float(m.group(2)) for m in
-                re.finditer(r'^rollwire_proxy_requests_total\{api="openai\.responses",status="(\d+)"\} (\S+)$',
-                            metrics, re.M)}
-    assert answered == {"200": float(calls)}, answered
-
-
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harnesses" / "codex"
 
 
@@ -178,7 +147,7 @@ def wire_shape(body: dict[str, Any]) -> dict[str, Any]:
                                                  "reasoning", "text")}}
 
 
-def assert_wire_matches_fixtures(run: CodexRun, name: str) -> None:
+def assert_wire_matches_fixtures(run: SessionRun, name: str) -> None:
     """The live bodies have the shape of the recorded ones (tests/fixtures/harnesses/codex/, whose own tests
     in tests/proxy/test_openai_responses.py say what the normalizer makes of them)."""
     for event in run.events:
@@ -193,13 +162,7 @@ def assert_wire_matches_fixtures(run: CodexRun, name: str) -> None:
 # -- the sessions ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def standin_proxy(kafka: KafkaSettings, standin_url: str) -> Iterator[ProxyUnderTest]:  # noqa: F811
-    with serve(create_app(proxy_settings(standin_url, record_request_body=True), kafka)) as url:
-        yield ProxyUnderTest(url, kafka)
-
-
-async def test_codex_text_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:
+async def test_codex_text_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:  # noqa: F811
     answer = "Hello from the rollwire proxy."
     engine = {"max_tokens": 256, "seed": 1, "turns": [{"structured_outputs": {"regex": re.escape(answer)}}]}
     run = await run_codex(standin_proxy, tmp_path, "Say hello.", engine)
@@ -207,10 +170,10 @@ async def test_codex_text_session(standin_proxy: ProxyUnderTest, tmp_path: Path)
     assert_calls_recorded(run, 1)
     assert run.events[0].message.content == answer and run.events[0].finish_reason == "stop"
     assert [m.role for m in run.events[0].request.messages][:2] == ["developer", "developer"]
-    assert_no_server_errors(standin_proxy, 1)
+    assert_no_server_errors(standin_proxy, "openai.responses", 1)
 
 
-async def test_codex_shell_tool_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:
+async def test_codex_shell_tool_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:  # noqa: F811
     script = shell_script()
     run = await run_codex(standin_proxy, tmp_path, f"Create {PROOF}.", scripted(script, 512, 7))
     assert_finished(run, script.answer)
@@ -218,11 +181,11 @@ async def test_codex_shell_tool_session(standin_proxy: ProxyUnderTest, tmp_path:
     assert_calls_recorded(run, script.calls)
     assert_tool_round_trip(run, script, "function")
     assert_prefix_chain(run)
-    assert_no_server_errors(standin_proxy, script.calls)
+    assert_no_server_errors(standin_proxy, "openai.responses", script.calls)
     assert_wire_matches_fixtures(run, "shell")
 
 
-async def test_codex_apply_patch_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:
+async def test_codex_apply_patch_session(standin_proxy: ProxyUnderTest, tmp_path: Path) -> None:  # noqa: F811
     """The freeform tool: offered to the engine as a one-string function, the call goes back to Codex as a
     custom_tool_call whose input is the patch, and comes back as custom_tool_call + its output."""
     script = patch_script()
@@ -234,7 +197,7 @@ async def test_codex_apply_patch_session(standin_proxy: ProxyUnderTest, tmp_path
     assert patch_tool.kind == "custom" and patch_tool.grammar["syntax"] == "lark"
     assert_tool_round_trip(run, script, "custom")
     assert_prefix_chain(run)
-    assert_no_server_errors(standin_proxy, script.calls)
+    assert_no_server_errors(standin_proxy, "openai.responses", script.calls)
     assert_wire_matches_fixtures(run, "patch")
 
 
@@ -270,10 +233,8 @@ async def test_codex_echoes_reasoning_back_through_encrypted_content(
     """Codex keeps the reasoning item of a tool turn and sends it back with its ``encrypted_content``; the
     proxy decodes it to the very text the engine produced, so the next prompt holds that reasoning."""
     thought = "The user wants a proof file; one shell command writes it. ✓"
-    app = create_app(proxy_settings(standin_url, record_request_body=True), kafka,
-                     engine_transport=ReasoningEngine(thought))
-    with serve(app) as url:
-        proxy = ProxyUnderTest(url, kafka)
+    transport = ReasoningEngine(thought)
+    with serve_proxy(standin_url, kafka, record_request_body=True, engine_transport=transport) as proxy:
         script = shell_script()
         run = await run_codex(proxy, tmp_path, f"Create {PROOF}.", scripted(script, 512, 7))
     assert_finished(run, script.answer)
@@ -287,16 +248,11 @@ async def test_codex_echoes_reasoning_back_through_encrypted_content(
     assert f"<think>{thought}</think>".encode() in bytes(second.prompt_token_ids.tolist())
 
 
-@pytest.fixture
-def vllm_proxy(kafka: KafkaSettings, vllm_url: str) -> Iterator[ProxyUnderTest]:
-    with serve(create_app(proxy_settings(vllm_url, record_request_body=True, engine_timeout_s=300), kafka)) as url:
-        yield ProxyUnderTest(url, kafka)
-
-
 @pytest.mark.parametrize(("name", "model", "kind"), [("shell", PLAIN_MODEL, "function"),
                                                      ("patch", CATALOG_MODEL, "custom")])
-async def test_codex_tool_session_against_real_vllm(vllm_proxy: ProxyUnderTest, vllm_url: str, tmp_path: Path,
-                                                    name: str, model: str, kind: str) -> None:
+async def test_codex_tool_session_against_real_vllm(vllm_proxy: ProxyUnderTest,  # noqa: F811
+                                                    vllm_url: str, tmp_path: Path, name: str, model: str,
+                                                    kind: str) -> None:
     """The same sessions on the real engine: guided decoding forces the text, vLLM's hermes parser makes it
     a tool call, the proxy a function_call (or custom_tool_call) item, and Codex runs it."""
     script = shell_script() if name == "shell" else patch_script()
@@ -306,4 +262,4 @@ async def test_codex_tool_session_against_real_vllm(vllm_proxy: ProxyUnderTest, 
     assert_calls_recorded(run, script.calls)
     assert_tool_round_trip(run, script, kind)
     assert_prompt_text_chain(run, vllm_url)
-    assert_no_server_errors(vllm_proxy, script.calls)
+    assert_no_server_errors(vllm_proxy, "openai.responses", script.calls)

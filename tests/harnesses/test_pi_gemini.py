@@ -15,24 +15,25 @@ import asyncio
 import json
 import os
 import re
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
-from deploy.kafka import ensure_topics
 from producers.harness_install import ensure_harness
-from proxy.app import create_app
 from proxy.gemini import GeminiApi
 from proxy.providers import Route
 from schemas.completions import Completion
-from schemas.transport import KafkaSettings
+from tests.harnesses.common import (
+    assert_exit_ok,
+    clean_env,
+    fresh_topics,
+    serve_proxy,
+    serve_standin_proxy,
+    session_events as recorded_events,
+)
 from tests.harnesses.isolation import run_harness
-from tests.proxy.conftest import ProxyUnderTest, proxy_settings
-from tests.servers import serve
+from tests.proxy.conftest import ProxyUnderTest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harnesses" / "pi-gemini"
 MODEL = "gemini-2.5-flash"
@@ -49,26 +50,18 @@ SCRIPTED = {"engine": {"max_tokens": 200, "seed": 3, "turns": [
 TEXT_ONLY = {"engine": {"max_tokens": 24, "seed": 3}}
 
 
-def _kafka(bootstrap: str) -> KafkaSettings:
-    kafka = KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=f"pigem{uuid.uuid4().hex[:6]}.",
-                          session_partitions=2, task_partitions=2)
-    asyncio.run(ensure_topics(bootstrap, kafka.registry()))
-    return kafka
-
-
 @pytest.fixture(scope="module")
 def standin_proxy(kafka_bootstrap: str) -> Iterator[ProxyUnderTest]:
-    kafka = _kafka(kafka_bootstrap)
-    with serve(create_standin(StandinConfig(latency_ms=1, reply_tokens=16))) as engine_url:
-        with serve(create_app(proxy_settings(engine_url, record_request_body=True), kafka)) as url:
-            yield ProxyUnderTest(url, kafka)
+    kafka = asyncio.run(fresh_topics(kafka_bootstrap, "pigem", session_partitions=2))
+    with serve_standin_proxy(kafka) as proxy:
+        yield proxy
 
 
 @pytest.fixture(scope="module")
 def vllm_proxy(kafka_bootstrap: str, vllm_url: str) -> Iterator[ProxyUnderTest]:
-    kafka = _kafka(kafka_bootstrap)
-    with serve(create_app(proxy_settings(vllm_url, engine_timeout_s=300, record_request_body=True), kafka)) as url:
-        yield ProxyUnderTest(url, kafka)
+    kafka = asyncio.run(fresh_topics(kafka_bootstrap, "pigem", session_partitions=2))
+    with serve_proxy(vllm_url, kafka, engine_timeout_s=300, record_request_body=True) as proxy:
+        yield proxy
 
 
 def run_pi(proxy: ProxyUnderTest, session: dict, home: Path, instruction: str, *, reasoning: bool = False):
@@ -83,27 +76,20 @@ def run_pi(proxy: ProxyUnderTest, session: dict, home: Path, instruction: str, *
         "models": [{"id": MODEL, "reasoning": reasoning, "contextWindow": 32768, "maxTokens": 4096}]}}}))
     workspace = home / "work"
     workspace.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OPENAI_", "ANTHROPIC_", "GEMINI_", "GOOGLE_", "ROLLWIRE_"))}
+    env = clean_env("GEMINI_", "GOOGLE_")
     env.update(HOME=str(home), PI_OFFLINE="1", PI_SKIP_VERSION_CHECK="1", PI_TELEMETRY="0")
     result = run_harness([str(pi), "-p", "--provider", "rollwire", "--model", MODEL, "--no-session", instruction],
                          cwd=workspace, env=env, proxy_url=proxy.url, timeout_s=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert_exit_ok(result)
     return result, workspace
 
 
 async def session_events(proxy: ProxyUnderTest, session_id: str) -> list[Completion]:
-    calls = httpx.get(f"{proxy.url}/v1/sessions/{session_id}").json()["calls"]
-    assert calls >= 1
-    events = [e for e in await proxy.completions(calls, timeout_s=60) if e.session_id == session_id]
-    assert sorted(e.sequence for e in events) == list(range(calls))
+    events = await recorded_events(proxy, session_id, "gemini", timeout_s=60)
     for event in events:
-        assert event.status == "ok", event.error
-        assert event.api == "gemini" and event.requested_model == MODEL
-        assert len(event.prompt_token_ids) > 100 and len(event.token_ids) > 0
-        assert len(event.logprobs) == len(event.token_ids)
+        assert event.requested_model == MODEL
         assert event.request.stream and event.request_body is not None
-    return sorted(events, key=lambda e: e.sequence)
+    return events
 
 
 def assert_tool_session(events: list[Completion], result, workspace: Path) -> None:
