@@ -2,7 +2,8 @@
 
 ``rollwire up`` brings up, in order: the project's Apache Kafka (KRaft, one node) and its topics, the
 embedded engine (the real vLLM CPU build over the tiny local model) unless ``ROLLWIRE_ENGINE_URL`` names
-another engine, and the gateway proxy. ``rollwire down`` stops them; ``rollwire status`` reports them.
+another engine, the gateway proxy, and a trajectory worker (processors). ``rollwire down`` stops them;
+``rollwire status`` reports them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import typer
 from deploy.errors import DeployError
 from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
 from deploy.services import ServiceProcess
+from processors.cli import rebuild as processors_rebuild
+from processors.cli import run as processors_run
+from processors.settings import ProcessorSettings
 from proxy.cli import run as proxy_run
 from proxy.cli import session_app
 from proxy.settings import ProxySettings
@@ -28,6 +32,8 @@ app = typer.Typer(help="rollwire: record coding-agent harnesses token for token,
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(session_app, name="session")
 app.command("proxy", help="Run the gateway proxy in the foreground.")(proxy_run)
+app.command("processors", help="Run a trajectory worker (Faust) in the foreground.")(processors_run)
+app.command("rebuild", help="Re-derive trajectories from the log with a builder, to a topic.")(processors_rebuild)
 
 # Harness prompts run to ~16k tokens; the tiny model's KV cache holds 64k at 64 MiB.
 DEFAULT_ENGINE_MAX_MODEL_LEN = 32768
@@ -63,6 +69,13 @@ def _proxy_service(kafka: KafkaSettings, engine_url: str) -> ServiceProcess:
                           env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
 
 
+def _processors_service(kafka: KafkaSettings) -> ServiceProcess:
+    conf = ProcessorSettings()
+    return ServiceProcess(name="processors", args=("processors",),
+                          health_url=f"http://{conf.host}:{conf.port}/health",
+                          env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
+
+
 def _fail(exc: DeployError) -> None:
     typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
@@ -72,8 +85,9 @@ def _fail(exc: DeployError) -> None:
 def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each part (the first engine "
                                                     "start installs vLLM)."),
        engine: bool = typer.Option(True, help="Start the embedded engine (ignored with ROLLWIRE_ENGINE_URL)."),
-       proxy: bool = typer.Option(True, help="Start the gateway proxy.")) -> None:
-    """Start the local stack (Kafka and topics, engine, proxy) and print its status."""
+       proxy: bool = typer.Option(True, help="Start the gateway proxy."),
+       processors: bool = typer.Option(True, help="Start a trajectory worker.")) -> None:
+    """Start the local stack (Kafka and topics, engine, proxy, processors) and print its status."""
     config = KafkaConfig.from_env()
     settings = _local_broker_settings(config)
     try:
@@ -84,6 +98,8 @@ def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each p
         created = asyncio.run(ensure_topics(settings.kafka_bootstrap, settings.registry(),
                                             settings.max_message_bytes))
         typer.echo(f"topics_created={len(created)}")
+        if processors:
+            _processors_service(settings).start(timeout_s=min(timeout_s, 120))
         engine_url = _engine_url()
         if engine_url is None and engine:
             from deploy.engine.server import VllmServer
@@ -100,11 +116,13 @@ def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each p
 
 @app.command()
 def down() -> None:
-    """Stop the local stack (proxy, embedded engine, Kafka)."""
+    """Stop the local stack (proxy, processors, embedded engine, Kafka)."""
     config = KafkaConfig.from_env()
     try:
         _proxy_service(_local_broker_settings(config), "").stop()
         typer.echo("proxy=stopped")
+        _processors_service(_local_broker_settings(config)).stop()
+        typer.echo("processors=stopped")
         if _engine_url() is None:
             from deploy.engine.server import VllmServer
 
@@ -118,7 +136,7 @@ def down() -> None:
 
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
-    """Report the local stack: broker, engine and proxy processes, and whether each answers."""
+    """Report the local stack: broker, engine, proxy and processors, and whether each answers."""
     config = KafkaConfig.from_env()
     settings = _local_broker_settings(config)
     managed = settings.kafka_bootstrap == config.bootstrap
@@ -139,6 +157,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
         report["engine_url"] = engine_url
     report.update({"proxy_" + k: v for k, v in _proxy_service(settings, engine_url).status().items()})
     report["proxy_url"] = ProxySettings().public_url
+    report.update({"processors_" + k: v for k, v in _processors_service(settings).status().items()})
     if as_json:
         typer.echo(json.dumps(report, default=str))
         return

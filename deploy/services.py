@@ -1,4 +1,4 @@
-"""rollwire's own services (the proxy, later the processors) as detached local processes.
+"""rollwire's own services (the proxy, the processors) as detached local processes.
 
 A :class:`ServiceProcess` runs one ``python -m deploy.cli <command>`` in its own session with a pid file
 and a log under ``$ROLLWIRE_HOME/<name>/``, waits for its health URL, and stops it with SIGTERM (then
@@ -58,8 +58,14 @@ class ServiceProcess:
             return False
 
     def start(self, timeout_s: float = 60) -> None:
+        """Start the service unless it already runs; return once it answers its health URL."""
         if self.pid() is not None and self.healthy():
             return
+        if self.pid() is None and self.healthy():
+            # Another process (an earlier stack with another ROLLWIRE_HOME, a stray worker) holds the port:
+            # its answers would pass for ours while ours dies on the taken address.
+            raise ServiceStartError(f"something that is not this stack's {self.name} already answers "
+                                    f"{self.health_url}; stop it or move {self.name} to a free port")
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("ab") as log:
             process = subprocess.Popen([sys.executable, "-m", "deploy.cli", *self.args], stdout=log,

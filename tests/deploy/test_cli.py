@@ -54,3 +54,25 @@ def test_up_fails_clearly_when_the_named_cluster_is_down(monkeypatch: pytest.Mon
     result = CliRunner().invoke(app, ["up", "--no-engine", "--no-proxy"])
     assert result.exit_code == 1
     assert "no Kafka answers at ROLLWIRE_KAFKA_BOOTSTRAP" in result.output
+
+
+def test_service_refuses_a_port_another_process_answers(tmp_path: Path) -> None:
+    """Regression: a stray worker on the processors' port answered the health check of a new one, so
+    `rollwire up` reported it healthy while the new worker died on the taken address."""
+    from deploy.services import ServiceProcess, ServiceStartError
+    from tests.servers import serve
+
+    async def ok(scope, receive, send):  # a minimal ASGI app that answers 200 to anything
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with serve(ok) as url:
+        service = ServiceProcess(name="processors", args=("processors",), health_url=f"{url}/health", home=tmp_path)
+        with pytest.raises(ServiceStartError, match="already answers"):
+            service.start(timeout_s=5)
+    assert not service.pid_file.exists()

@@ -1,0 +1,234 @@
+"""Completion events through the real broker and a real trajectory worker: throughput and latency.
+
+Starts a worker (``python -m deploy.cli processors``, RocksDB tables) on a fresh topic prefix of the
+broker at ``ROLLWIRE_KAFKA_BOOTSTRAP`` (default: the project's local one; ``rollwire up`` starts it),
+then pushes realistic sessions: ``--turns`` completions each, prompts extending each other (previous
+prompt + sampled reply + a tool result, real Qwen token ids), about ``--tokens`` prompt tokens per
+completion on average, each session's spec first and its ``session.ended`` right after its last
+completion. Events are encoded before the clock starts; the bench's producer and consumer run on the
+same machine as the broker and the worker.
+
+Two phases: ``flood`` (everything as fast as the producer can send: the worker's capacity,
+``events_per_s`` = completion events / (last trajectory received - first event sent)); ``paced`` (at
+``--rate`` events/s, or 80% of the flood's figure if that is lower: the latency from a session's end
+event being sent to its trajectory being read from ``trajectories``, p50/p99).
+
+    python -m bench.pipeline [--sessions N] [--turns T] [--tokens K] [--rate R]
+
+Prints ``name=value`` lines, the key figure last: ``events_per_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from bench.workloads import TokenSource, session_completions
+from processors.topics import prepare_topics
+from schemas.codec import encode_event, event_headers
+from schemas.envelope import Event
+from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
+from schemas.topics import Topic
+from schemas.transport.settings import KafkaSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Record:
+    topic: str
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    session_id: str
+    is_end: bool = False
+    is_completion: bool = False
+
+
+def _record(kafka: KafkaSettings, event: Event, **flags: bool) -> Record:
+    return Record(kafka.registry().name(event.topic), event.key(), encode_event(event), event_headers(event),
+                  getattr(event, "session_id"), **flags)
+
+
+def make_sessions(kafka: KafkaSettings, tag: str, sessions: int, turns: int, tokens: int,
+                  seed: int = 0) -> list[list[Record]]:
+    """Each session's records in order: spec, completions, end."""
+    source = TokenSource(limit_chars=600_000)
+    rng = np.random.default_rng(seed)
+    # The first prompt is the system prompt + task; later ones grow by ~650 tokens a turn (reply + tool).
+    system_tokens = max(200, tokens - 650 * (turns - 1) // 2)
+    out = []
+    for i in range(sessions):
+        session_id = f"{tag}-{i}"
+        records = [_record(kafka, SessionSpec(session_id=session_id, task_id=f"task-{i // 8}"))]
+        records += [_record(kafka, c, is_completion=True) for c in
+                    session_completions(source, rng, session_id=session_id, turns=turns, system_tokens=system_tokens)]
+        records.append(_record(kafka, SessionEnded(session_id=session_id, status=SessionStatus.COMPLETED), is_end=True))
+        out.append(records)
+    return out
+
+
+def interleave(sessions: list[list[Record]], concurrent: int) -> list[Record]:
+    """The order a fleet of ``concurrent`` running sessions would produce: round robin within waves."""
+    order: list[Record] = []
+    for start in range(0, len(sessions), concurrent):
+        wave = sessions[start:start + concurrent]
+        for step in range(max(len(s) for s in wave)):
+            order += [s[step] for s in wave if step < len(s)]
+    return order
+
+
+class Worker:
+    def __init__(self, kafka: KafkaSettings, app_id: str, data_dir: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/health"
+        env = {**os.environ, "ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap,
+               "ROLLWIRE_TOPIC_PREFIX": kafka.topic_prefix, "ROLLWIRE_PROCESSORS_APP_ID": app_id,
+               "ROLLWIRE_PROCESSORS_DATA_DIR": str(data_dir), "ROLLWIRE_PROCESSORS_PORT": str(port),
+               "ROLLWIRE_PROCESSORS_LOG_LEVEL": "warning"}
+        self.log = (data_dir.parent / "worker.log").open("wb")
+        # ROLLWIRE_BENCH_PROFILE=FILE runs the worker under cProfile (written when it stops).
+        profile = os.environ.get("ROLLWIRE_BENCH_PROFILE")
+        prefix = ["-m", "cProfile", "-o", profile] if profile else []
+        self.process = subprocess.Popen([sys.executable, *prefix, "-m", "deploy.cli", "processors"], cwd=ROOT, env=env,
+                                        stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def wait_healthy(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("worker did not become healthy")
+
+    def health(self) -> dict:
+        return httpx.get(self.url, timeout=5).json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | None, expect: int,
+                    timeout_s: float) -> dict[str, float]:
+    """Send ``order`` (paced at ``rate`` events/s, or flat out) and read ``expect`` trajectories."""
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.kafka_bootstrap, acks="all", enable_idempotence=True,
+                                compression_type="zstd", max_request_size=kafka.max_message_bytes,
+                                linger_ms=5, max_batch_size=512 * 1024)
+    consumer = AIOKafkaConsumer(kafka.registry().name(Topic.TRAJECTORIES), bootstrap_servers=kafka.kafka_bootstrap,
+                                auto_offset_reset="latest", max_partition_fetch_bytes=kafka.fetch_bytes)
+    await producer.start()
+    await consumer.start()
+    await consumer.seek_to_end()
+    end_sent: dict[str, float] = {}
+    received: dict[str, float] = {}
+
+    async def read() -> None:
+        while len(received) < expect:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                now = time.time()
+                for r in records:
+                    received.setdefault(r.key.decode(), now)
+
+    reader = asyncio.create_task(read())
+    started = time.time()
+    try:
+        pending = []
+        for i, record in enumerate(order):
+            if rate:
+                lag = started + i / rate - time.time()
+                if lag > 0:
+                    await asyncio.sleep(lag)
+            future = await producer.send(record.topic, record.value, key=record.key, headers=record.headers)
+            if record.is_end:
+                end_sent[record.session_id] = time.time()
+            pending.append(future)
+            if len(pending) >= 2000:
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+        sent_all = time.time()
+        await asyncio.wait_for(reader, timeout_s)
+    finally:
+        reader.cancel()
+        await producer.stop()
+        await consumer.stop()
+    completions = sum(r.is_completion for r in order)
+    latencies = np.array([(received[s] - end_sent[s]) * 1000 for s in end_sent if s in received])
+    last = max(received.values())
+    return {"completions": completions, "trajectories": len(received), "send_s": sent_all - started,
+            "events_per_s": completions / (last - started), "p50_ms": float(np.percentile(latencies, 50)),
+            "p99_ms": float(np.percentile(latencies, 99)), "max_ms": float(latencies.max())}
+
+
+async def bench(args: argparse.Namespace) -> None:
+    kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
+    await prepare_topics(kafka, "processors")
+    home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
+    worker = Worker(kafka, "processors", home / "data", args.port)
+    try:
+        t0 = time.time()
+        flood_sessions = make_sessions(kafka, "flood", args.sessions, args.turns, args.tokens, seed=1)
+        paced_sessions = make_sessions(kafka, "paced", args.sessions, args.turns, args.tokens, seed=2)
+        completions = [r for s in flood_sessions for r in s if r.is_completion]
+        print(f"generate_s={time.time() - t0:.1f}")
+        print(f"completion_bytes_mean={np.mean([len(r.value) for r in completions]):.0f}")
+        worker.wait_healthy()
+        flood = await run_phase(kafka, interleave(flood_sessions, args.concurrent), None, len(flood_sessions),
+                                timeout_s=600)
+        rate = min(args.rate, 0.8 * flood["events_per_s"])
+        events_per_completion = (args.turns + 2) / args.turns
+        paced = await run_phase(kafka, interleave(paced_sessions, args.concurrent), rate * events_per_completion,
+                                len(paced_sessions), timeout_s=600)
+        health = worker.health()
+    finally:
+        worker.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent}")
+    print(f"flood_completions={flood['completions']} flood_trajectories={flood['trajectories']}")
+    print(f"flood_send_s={flood['send_s']:.1f}")
+    print(f"flood_end_to_trajectory_p99_ms={flood['p99_ms']:.0f}")
+    print(f"paced_rate_completions_per_s={rate:.0f}")
+    print(f"paced_events_per_s={paced['events_per_s']:.0f}")
+    print(f"end_to_trajectory_p50_ms={paced['p50_ms']:.0f}")
+    print(f"end_to_trajectory_max_ms={paced['max_ms']:.0f}")
+    print(f"worker_dead_lettered={health.get('dead_lettered')}")
+    print(f"end_to_trajectory_p99_ms={paced['p99_ms']:.0f}")
+    print(f"events_per_s={flood['events_per_s']:.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=1500)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=2000, help="mean prompt tokens per completion")
+    parser.add_argument("--concurrent", type=int, default=64, help="sessions running at once")
+    parser.add_argument("--rate", type=float, default=2000.0, help="paced phase: completions per second")
+    parser.add_argument("--port", type=int, default=18191)
+    asyncio.run(bench(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

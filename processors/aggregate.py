@@ -1,0 +1,296 @@
+"""The trajectory worker's logic: records in, table updates and trajectories out (no Faust in here).
+
+:class:`SessionAggregator` is what the Faust agent calls for every record, in partition order, one at a
+time (agent concurrency 1, so a session's state has a single writer). Tables are passed in as mappings
+of bytes to bytes, so the same code runs on Faust tables (RocksDB) and on dicts in tests.
+
+Life of a session: events arrive → :class:`~processors.sessions.OpenSession` plus one table entry per
+completion → on ``session.ended`` (once every input partition has been read up to that record) or at
+its deadline (a timer asks through the control topic) the builder named in the spec runs and the
+Trajectory is sent → when the broker has acknowledged it, a control record ``emitted`` deletes the
+session's entries and remembers its id in ``built`` (late or replayed records of a built session are
+dropped). Nothing is deleted before the trajectory is on the broker, so a crash at any point leads to
+a rebuild from the same inputs, i.e. the same trajectory event id, which readers de-duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from processors.builders import UnknownBuilder, build_trajectory
+from processors.intake import dead_letter, peek
+from processors.progress import InputProgress
+from processors.sessions import (
+    EndFacts,
+    OpenSession,
+    SpecFacts,
+    builder_name,
+    call_key,
+    deadline,
+    facts,
+)
+from schemas.codec import EventDecodeError, decode_event
+from schemas.completions import Completion
+from schemas.dead_letter import DeadLetter
+from schemas.sessions import SessionEnded, SessionSpec
+from schemas.topics import Topic, TopicRegistry
+from schemas.trajectories import Trajectory
+
+logger = logging.getLogger(__name__)
+
+Table = MutableMapping[bytes, bytes]
+
+
+class Record(Protocol):
+    """The parts of a Kafka record the aggregator reads (Faust's Message has them)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: float
+    key: bytes | None
+    value: bytes | None
+    headers: Any
+
+
+@dataclass
+class Tables:
+    open: Table  # session id -> OpenSession
+    calls: Table  # call_key(session, n) -> raw completion record value
+    specs: Table  # session id -> SpecFacts
+    built: Table  # session id -> trajectory event id
+
+
+@dataclass
+class Outputs:
+    """How the aggregator talks to Kafka; the app supplies these."""
+
+    # Send a trajectory to the session's partition without waiting for the acknowledgement; once the
+    # broker has it, send the control record emitted_record() (on failure call on_send_failed()).
+    send_trajectory: Callable[[Trajectory, int], Awaitable[None]]
+    send_dead_letter: Callable[[DeadLetter], Awaitable[None]]
+    # Send a control record {kind, session_id, ...} to the session's partition of the control topic.
+    send_control: Callable[[str, int, dict[str, Any]], Awaitable[None]]
+    # The consumer's high watermark of (topic, partition), None if not known yet.
+    highwater: Callable[[str, int], int | None]
+
+
+class SessionAggregator:
+    """Per-record handling, the control records, and the deadline scan the timer runs."""
+
+    def __init__(self, tables: Tables, outputs: Outputs, registry: TopicRegistry, *, control_topic: str,
+                 group: str, idle_s: float, grace_s: float, settle_s: float, max_message_bytes: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.t, self.out, self.registry = tables, outputs, registry
+        self.control_topic, self.group = control_topic, group
+        self.idle_s, self.grace_s = idle_s, grace_s
+        self.max_message_bytes = max_message_bytes
+        self.clock = clock
+        self.progress = InputProgress(settle_s)
+        self.in_flight: set[str] = set()  # built and sent, not yet acknowledged (derived; reset on rebalance)
+        self._asked: dict[str, float] = {}  # control records recently sent, to not repeat them every tick
+        # Ended sessions waiting for their partition's other inputs to be read up to the end record
+        # (derived, reset on rebalance; after a restart the timer finds them in the table).
+        self._waiting: dict[int, dict[str, float]] = {}
+        self._names = {t: registry.name(t) for t in Topic}
+        self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
+        self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0}
+
+    # -- records -------------------------------------------------------------------------------------
+
+    async def handle(self, record: Record) -> None:
+        """Take one input record (any of the three input topics or the control topic)."""
+        self.counters["records"] += 1
+        if record.topic == self.control_topic:
+            await self._control(record)
+            return
+        self.progress.saw(record.topic, record.partition, record.offset, record.timestamp)
+        spec = self.registry.by_name(record.topic)
+        try:
+            envelope = peek(record.value, record.key, spec)
+            event = None if spec.topic is Topic.COMPLETIONS else decode_event(record.value, spec)
+        except EventDecodeError as exc:
+            await self._dead_letter(record, exc.error_type, exc.reason)
+            return
+        sid = envelope.session_id.encode()
+        if sid in self.t.built:
+            self.counters["late"] += 1  # a replay after a restart, or a record after the session was built
+            return
+        now = self.clock()
+        if isinstance(event, SessionSpec):
+            self.t.specs[sid] = SpecFacts.of(event, now).dumps()
+            return
+        raw = self.t.open.get(sid)
+        session = OpenSession.loads(raw) if raw is not None else OpenSession(record.partition, 0, now, now)
+        if spec.topic is Topic.COMPLETIONS:
+            if envelope.session_id in self.in_flight:
+                logger.warning("completion %s arrived after session %s was built; not in its trajectory",
+                               envelope.event_id, envelope.session_id)
+            self.t.calls[call_key(envelope.session_id, session.count)] = record.value  # type: ignore[assignment]
+            session = session.with_call(now)
+        elif isinstance(event, SessionEnded):
+            session = session.ended(EndFacts.of(event, record.timestamp), now)
+        else:
+            session = session.touched(now)
+        self.t.open[sid] = session.dumps()
+        if session.end is not None:
+            if self._ready(session, now):
+                await self._build(envelope.session_id, session, partial=False)
+            else:
+                self._waiting.setdefault(record.partition, {})[envelope.session_id] = session.end.record_ts
+        if self._waiting.get(record.partition):
+            await self._build_waiting(record.partition, now)
+
+    async def _build_waiting(self, partition: int, now: float) -> None:
+        waiting = self._waiting[partition]
+        for session_id, ts in list(waiting.items()):
+            if not self.progress.read_up_to(self._others, partition, ts, now, self.out.highwater):
+                continue
+            del waiting[session_id]
+            raw = self.t.open.get(session_id.encode())
+            if raw is not None:
+                await self._build(session_id, OpenSession.loads(raw), partial=False)
+
+    def _ready(self, session: OpenSession, now: float) -> bool:
+        assert session.end is not None
+        return self.progress.read_up_to(self._others, session.partition, session.end.record_ts, now,
+                                        self.out.highwater)
+
+    # -- building ------------------------------------------------------------------------------------
+
+    async def _build(self, session_id: str, session: OpenSession, *, partial: bool) -> None:
+        if session_id in self.in_flight:
+            return
+        sid = session_id.encode()
+        raw_spec = self.t.specs.get(sid)
+        spec = SpecFacts.loads(raw_spec) if raw_spec is not None else None
+        completions: list[Completion] = []
+        for n in range(session.count):
+            value = self.t.calls.get(call_key(session_id, n))
+            if value is None:
+                continue
+            try:
+                event = decode_event(value, self.registry.spec(Topic.COMPLETIONS))
+            except EventDecodeError as exc:
+                # It passed the envelope check at intake; the full validation happens only now.
+                await self._dead_letter_value(session_id, session.partition, value, exc)
+                continue
+            completions.append(event)  # type: ignore[arg-type]
+        try:
+            trajectory = build_trajectory(builder_name(spec), completions,
+                                          facts(session_id, session, spec, partial=partial))
+        except (UnknownBuilder, ValueError) as exc:
+            logger.exception("session %s: builder %s failed", session_id, builder_name(spec))
+            trajectory = build_trajectory("per_request", [], facts(session_id, session, spec, partial=partial))
+            trajectory.stats.problems.append(f"builder {builder_name(spec)} failed: {exc!r}")
+        self.in_flight.add(session_id)
+        self.counters["trajectories"] += 1
+        self.counters["partial"] += partial
+        await self.out.send_trajectory(trajectory, session.partition)
+
+    def on_send_failed(self, session_id: str) -> None:
+        """The trajectory was not recorded: forget it was in flight so that the next tick retries."""
+        self.in_flight.discard(session_id)
+        self._asked.pop(session_id, None)
+
+    # -- control records -----------------------------------------------------------------------------
+
+    async def _control(self, record: Record) -> None:
+        try:
+            doc = orjson.loads(record.value or b"")
+            kind, session_id = doc["kind"], doc["session_id"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            logger.warning("ignoring malformed control record at %s/%d", record.partition, record.offset)
+            return
+        sid = session_id.encode()
+        raw = self.t.open.get(sid)
+        if kind == "emitted":
+            self.in_flight.discard(session_id)
+            self.t.built[sid] = str(doc.get("event_id", "")).encode()
+            if raw is not None:
+                for n in range(OpenSession.loads(raw).count):
+                    self.t.calls.pop(call_key(session_id, n), None)
+                del self.t.open[sid]
+            self.t.specs.pop(sid, None)
+            return
+        if raw is None or sid in self.t.built or session_id in self.in_flight:
+            return
+        session = OpenSession.loads(raw)
+        now = self.clock()
+        if kind == "finalize" and session.end is not None and self._ready(session, now):
+            await self._build(session_id, session, partial=False)
+        elif kind == "deadline" and session.end is None and now >= self._deadline(sid, session):
+            await self._build(session_id, session, partial=True)
+
+    def _deadline(self, sid: bytes, session: OpenSession) -> float:
+        raw_spec = self.t.specs.get(sid)
+        spec = SpecFacts.loads(raw_spec) if raw_spec is not None else None
+        since = self.progress.active_since if self.progress.active_since is not None else self.clock()
+        return deadline(session, spec, idle_s=self.idle_s, grace_s=self.grace_s, active_since=since)
+
+    def emitted_record(self, trajectory: Trajectory) -> dict[str, Any]:
+        return {"kind": "emitted", "session_id": trajectory.session_id, "event_id": trajectory.event_id}
+
+    # -- the timer -----------------------------------------------------------------------------------
+
+    async def tick(self, active_partitions: set[int], items: Any) -> None:
+        """Look at every open session of our partitions: ask for the build of those that are due.
+
+        ``items`` iterates (session id, OpenSession bytes). The timer cannot write tables (no current
+        record), so it sends a control record to the session's partition and the agent acts on it.
+        """
+        now = self.clock()
+        if self.progress.active_since is None:
+            self.progress.active_since = now
+        for sid, raw in items:
+            session = OpenSession.loads(raw)
+            session_id = sid.decode()
+            if session.partition not in active_partitions or session_id in self.in_flight:
+                continue
+            if now - self._asked.get(session_id, 0.0) < max(2.0, 4 * self.progress.settle_s):
+                continue
+            if session.end is not None:
+                if self._ready(session, now):
+                    kind = "finalize"
+                else:
+                    continue
+            elif now >= self._deadline(sid, session):
+                kind = "deadline"
+            else:
+                continue
+            self._asked[session_id] = now
+            await self.out.send_control(session_id, session.partition, {"kind": kind, "session_id": session_id})
+
+    def reset(self) -> None:
+        """Partitions were revoked or assigned: drop what was derived from the old assignment."""
+        self.progress.reset()
+        self.in_flight.clear()
+        self._asked.clear()
+        self._waiting.clear()
+
+    # -- dead letters --------------------------------------------------------------------------------
+
+    async def _dead_letter(self, record: Record, error_type: str, reason: str) -> None:
+        self.counters["dead_lettered"] += 1
+        logger.warning("dead-lettering %s@%d/%d (%s: %s)", record.topic, record.partition, record.offset,
+                       error_type, reason[:200])
+        await self.out.send_dead_letter(dead_letter(
+            topic=record.topic, partition=record.partition, offset=record.offset, key=record.key,
+            value=record.value, headers=record.headers, group=self.group, error_type=error_type,
+            reason=reason, max_message_bytes=self.max_message_bytes))
+
+    async def _dead_letter_value(self, session_id: str, partition: int, value: bytes,
+                                 exc: EventDecodeError) -> None:
+        self.counters["dead_lettered"] += 1
+        logger.warning("dead-lettering a stored completion of %s (%s)", session_id, exc)
+        await self.out.send_dead_letter(dead_letter(
+            topic=self._names[Topic.COMPLETIONS], partition=partition, offset=-1,  # offset not kept in the table
+            key=session_id.encode(), value=value, headers=None, group=self.group, error_type=exc.error_type,
+            reason=f"{exc.reason} (found when session {session_id} was built)",
+            max_message_bytes=self.max_message_bytes))

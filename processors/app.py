@@ -1,0 +1,170 @@
+"""The trajectory worker, a Faust app: completions + session events in, one Trajectory per session out.
+
+Top to bottom: settings, the app, topics, tables, the agent, the timer, the health page. The logic is
+in processors/aggregate.py (records → tables → builds); this module only wires it to Faust. Run it with
+``rollwire processors`` (which creates the topics first). Configuration: ``ROLLWIRE_*`` (Kafka, see
+schemas.transport.KafkaSettings) and ``ROLLWIRE_PROCESSORS_*`` (see processors.settings).
+
+Delivery is at least once (Faust's default; its exactly-once mode is deliberately not used): offsets
+are committed after the producer is flushed, a trajectory's session is forgotten only after the broker
+has the trajectory, and a rebuilt trajectory has the same event id, which readers de-duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import faust
+import orjson
+from faust.types import TP
+
+from processors.aggregate import Outputs, SessionAggregator, Tables
+from processors.settings import ProcessorSettings
+from processors.topics import app_id, changelog_configs, control_topic
+from schemas.codec import encode_event, event_headers
+from schemas.dead_letter import DeadLetter
+from schemas.envelope import Event, utcnow
+from schemas.topics import Topic
+from schemas.trajectories import Trajectory
+from schemas.transport.settings import KafkaSettings
+
+logger = logging.getLogger(__name__)
+
+kafka = KafkaSettings()
+conf = ProcessorSettings()
+registry = kafka.registry()
+SOURCE = f"processors@{socket.gethostname()}:{os.getpid()}"
+PARTITIONS = kafka.session_partitions
+RAW = {"key_serializer": "raw", "value_serializer": "raw"}
+
+app = faust.App(
+    app_id(kafka, conf.app_id),
+    broker=[f"kafka://{server.strip()}" for server in kafka.kafka_bootstrap.split(",")],
+    store="rocksdb://" if conf.store == "rocksdb" else "memory://",
+    datadir=str(conf.data_dir),
+    topic_partitions=PARTITIONS,
+    topic_replication_factor=1,
+    topic_disable_leader=True,  # no extra "__leader" topic: nothing here needs a leader
+    web_enabled=False,  # the health page below needs no aiohttp
+    processing_guarantee="at_least_once",
+    producer_acks=-1,
+    producer_compression_type="zstd",
+    producer_linger=0.005,  # batch the changelog writes: one produce request per record costs more CPU
+    producer_max_request_size=kafka.max_message_bytes,
+    consumer_max_fetch_size=kafka.fetch_bytes,
+    consumer_auto_offset_reset="earliest",
+    broker_commit_interval=1.0,
+    broker_session_timeout=conf.session_timeout_s,
+    broker_heartbeat_interval=min(3.0, conf.session_timeout_s / 3),
+    table_standby_replicas=0,
+)
+
+# Our topics are declared as external: Faust reads and writes them but never creates or reconfigures them.
+inputs = app.topic(registry.name(Topic.COMPLETIONS), registry.name(Topic.SESSION_EVENTS),
+                   registry.name(Topic.SESSIONS), control_topic(kafka, conf.app_id),
+                   partitions=PARTITIONS, internal=False, **RAW)
+trajectories = app.topic(registry.name(Topic.TRAJECTORIES), internal=False, **RAW)
+dead_letters = app.topic(registry.name(Topic.DEAD_LETTER), internal=False, **RAW)
+control = app.topic(control_topic(kafka, conf.app_id), partitions=PARTITIONS, internal=False, **RAW)
+
+
+def _table(name: str, help: str) -> faust.Table:
+    return app.Table(name, partitions=PARTITIONS, extra_topic_configs=changelog_configs(kafka), help=help,
+                     key_type=bytes, value_type=bytes, schema=faust.Schema(**RAW))
+
+
+tables = Tables(
+    open=_table("open_sessions", "session id -> OpenSession (small)"),
+    calls=_table("session_calls", "(session id, n) -> one completion record"),
+    specs=_table("session_specs", "session id -> SpecFacts"),
+    built=_table("built_sessions", "session id -> trajectory event id"),
+)
+
+
+async def _send(topic: faust.TopicT, event: Event, partition: int | None = None) -> asyncio.Future:
+    stamped = event.model_copy(update={"emitted_at": utcnow(), "source": event.source or SOURCE})
+    return await topic.send(key=stamped.key(), value=encode_event(stamped), headers=event_headers(stamped),
+                            partition=partition)
+
+
+async def send_trajectory(trajectory: Trajectory, partition: int) -> None:
+    future = await _send(trajectories, trajectory, partition)
+
+    def done(fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            logger.error("trajectory %s of %s not recorded: %r", trajectory.event_id, trajectory.session_id,
+                         None if fut.cancelled() else fut.exception())
+            aggregator.on_send_failed(trajectory.session_id)
+            return
+        asyncio.ensure_future(send_control(trajectory.session_id, partition, aggregator.emitted_record(trajectory)))
+
+    future.add_done_callback(done)
+
+
+async def send_dead_letter(letter: DeadLetter) -> None:
+    await (await _send(dead_letters, letter))
+
+
+async def send_control(session_id: str, partition: int, record: dict) -> None:
+    await control.send(key=session_id.encode(), value=orjson.dumps(record), partition=partition)
+
+
+def highwater(topic: str, partition: int) -> int | None:
+    try:
+        return app.consumer.highwater(TP(topic, partition))
+    except Exception:  # not assigned (yet) or not fetched: unknown
+        return None
+
+
+aggregator = SessionAggregator(
+    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater), registry,
+    control_topic=control_topic(kafka, conf.app_id), group=app.conf.id, idle_s=conf.idle_s,
+    grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes)
+
+
+@app.agent(inputs, concurrency=1)
+async def sessions(stream: faust.StreamT) -> None:
+    """Every input record, in partition order, one at a time (the single writer of the tables)."""
+    async for event in stream.events():
+        await aggregator.handle(event.message)
+
+
+@app.timer(conf.tick_s)
+async def deadlines() -> None:
+    """Ask the agent to build sessions that are due (ended and read up to, or past their deadline)."""
+    if app.rebalancing or not app.tables.recovery.completed.is_set():
+        aggregator.progress.active_since = None
+        return
+    actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
+    await aggregator.tick(actives, list(tables.open.items()))
+
+
+@app.on_partitions_assigned.connect
+async def _assigned(sender: faust.App, assigned: set[TP], **kwargs: object) -> None:
+    aggregator.reset()
+
+
+@app.task
+async def health() -> None:
+    """``GET /health`` on ROLLWIRE_PROCESSORS_HOST:PORT: 200 once tables are recovered, else 503."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.wait_for(reader.readline(), 5)
+            ok = app.tables.recovery.completed.is_set() and not app.rebalancing
+            body = orjson.dumps({"ok": ok, **aggregator.counters, "open_in_flight": len(aggregator.in_flight)})
+            status = b"200 OK" if ok else b"503 Service Unavailable"
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, conf.host, conf.port)
+    async with server:
+        await server.serve_forever()

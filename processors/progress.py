@@ -1,0 +1,56 @@
+"""How far the worker has read each input partition: is everything up to time T in?
+
+A session's completions, spec and end event sit on three topics; Faust reads their partitions
+independently, so the end event can be read before the session's last completions (a replay after a
+restart reads the small session events far ahead of the large completions). Before a session is built,
+its partition of each other input must be read up to the end event's record timestamp: either a later
+record has been processed there (its watermark passed), or the partition is drained (our last processed
+offset reaches the consumer's high watermark). This is derived from the stream, kept in memory, and
+reset at every rebalance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+
+class InputProgress:
+    """Per (topic, partition): the last offset processed and the latest record timestamp seen."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.settle_s = settle_s
+        self._offsets: dict[tuple[str, int], int] = {}
+        self._watermarks: dict[tuple[str, int], float] = {}
+        self.active_since: float | None = None
+
+    def reset(self) -> None:
+        """Forget everything (partitions were revoked or assigned)."""
+        self._offsets.clear()
+        self._watermarks.clear()
+        self.active_since = None
+
+    def saw(self, topic: str, partition: int, offset: int, timestamp: float) -> None:
+        self._offsets[topic, partition] = offset
+        tp = (topic, partition)
+        if timestamp > self._watermarks.get(tp, 0.0):
+            self._watermarks[tp] = timestamp
+
+    def read_up_to(self, topics: Iterable[str], partition: int, ts: float, now: float,
+                   highwater: Callable[[str, int], int | None]) -> bool:
+        """True if every topic's ``partition`` has been read past ``ts`` or to its end."""
+        return all(self._past(topic, partition, ts, now, highwater) for topic in topics)
+
+    def _past(self, topic: str, partition: int, ts: float, now: float,
+              highwater: Callable[[str, int], int | None]) -> bool:
+        tp = (topic, partition)
+        if self._watermarks.get(tp, 0.0) >= ts:
+            return True
+        end = highwater(topic, partition)
+        last = self._offsets.get(tp)
+        if last is not None:
+            return end is not None and last + 1 >= end
+        if end == 0:
+            return True  # empty partition
+        # Nothing delivered from it since the (re)start: once the worker has been active for settle_s,
+        # whatever was there would have been delivered.
+        return self.active_since is not None and now - self.active_since >= self.settle_s

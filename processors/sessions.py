@@ -1,0 +1,123 @@
+"""Per-session state of the trajectory worker, as plain values: what is kept, when a session is due.
+
+The Faust app (processors/app.py) keeps, per open session, one small :class:`OpenSession` value (a
+counter, times, the end facts) and each completion's raw bytes under its own key ``(session, n)``: no
+table value grows with the session, so a table write never re-sends a growing value to its changelog.
+The spec's few fields the worker needs are kept apart (:class:`SpecFacts`), since a spec may arrive
+before or after the session's first event. Everything here is pure and tested without Kafka.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+
+import orjson
+
+from processors.builders import SessionFacts
+from schemas.sessions import FailureKind, SessionEnded, SessionSpec, SessionStatus
+
+DEFAULT_BUILDER = "prefix_merging"
+
+
+def call_key(session_id: str, n: int) -> bytes:
+    """The table key of a session's ``n``-th stored completion (NUL cannot occur in a session id's JSON)."""
+    return f"{session_id}\x00{n:08d}".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class EndFacts:
+    """The session.ended event, reduced to what the builder and the readiness check need."""
+
+    status: str
+    failure: str | None
+    task_id: str | None
+    occurred_at: str
+    record_ts: float  # the end record's Kafka timestamp: inputs older than it must be read first
+
+    @classmethod
+    def of(cls, event: SessionEnded, record_ts: float) -> EndFacts:
+        return cls(event.status.value, event.failure.value if event.failure else None, event.task_id,
+                   event.occurred_at.isoformat(), record_ts)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecFacts:
+    """The spec fields the worker uses; stored under the session id."""
+
+    builder: str
+    timeout_s: float
+    task_id: str | None
+    policy_version: str | None
+    seen_at: float  # worker clock when the spec was read
+
+    @classmethod
+    def of(cls, spec: SessionSpec, now: float) -> SpecFacts:
+        return cls(spec.builder, spec.timeout_s, spec.task_id, spec.policy_version, now)
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, raw: bytes) -> SpecFacts:
+        return cls(**orjson.loads(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession:
+    """A session that has had events and is not built yet."""
+
+    partition: int
+    count: int = 0  # completions stored under call_key(session, 0..count-1); duplicates included
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+    end: EndFacts | None = None
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, raw: bytes) -> OpenSession:
+        data = orjson.loads(raw)
+        end = data.pop("end")
+        return cls(**data, end=EndFacts(**end) if end else None)
+
+    def touched(self, now: float) -> OpenSession:
+        return replace(self, last_seen=max(self.last_seen, now))
+
+    def with_call(self, now: float) -> OpenSession:
+        return replace(self, count=self.count + 1, last_seen=max(self.last_seen, now))
+
+    def ended(self, end: EndFacts, now: float) -> OpenSession:
+        return replace(self, end=end, last_seen=max(self.last_seen, now))
+
+
+def deadline(session: OpenSession, spec: SpecFacts | None, *, idle_s: float, grace_s: float,
+             active_since: float) -> float:
+    """When an unended session is built as partial (worker clock).
+
+    The earlier of: ``idle_s`` after its last event, and the spec's ``timeout_s`` (plus ``grace_s``, for
+    the gateway's own timeout event to arrive) after the session was first seen. Never earlier than
+    ``grace_s`` after this worker became active, so that after a restart the log is replayed before
+    anything is declared abandoned (the stored times are from before the crash).
+    """
+    due = session.last_seen + idle_s
+    if spec is not None:
+        due = min(due, min(spec.seen_at, session.first_seen) + spec.timeout_s + grace_s)
+    return max(due, active_since + grace_s)
+
+
+def facts(session_id: str, session: OpenSession | None, spec: SpecFacts | None, *, partial: bool) -> SessionFacts:
+    """What the builder is told about the session."""
+    end = session.end if session is not None and not partial else None
+    task_id = (spec.task_id if spec else None) or (end.task_id if end else None)
+    return SessionFacts(
+        session_id=session_id, task_id=task_id, policy_version=spec.policy_version if spec else None,
+        status=SessionStatus(end.status) if end else None,
+        failure=FailureKind(end.failure) if end and end.failure else None,
+        partial=partial, ended_at=datetime.fromisoformat(end.occurred_at) if end else None)
+
+
+def builder_name(spec: SpecFacts | None) -> str:
+    """The session's builder: the spec's, or prefix_merging when no spec was seen."""
+    return spec.builder if spec is not None else DEFAULT_BUILDER

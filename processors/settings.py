@@ -1,0 +1,52 @@
+"""The processors worker's settings, read from the environment (``ROLLWIRE_PROCESSORS_*``).
+
+Kafka itself (bootstrap, topic prefix, partition counts, size limits) comes from
+:class:`schemas.transport.KafkaSettings` (``ROLLWIRE_*``); these are the worker's own knobs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser() / "processors" / "data"
+
+
+class ProcessorSettings(BaseSettings):
+    """Every field reads ``ROLLWIRE_PROCESSORS_<FIELD>``.
+
+    ``APP_ID`` (``processors``): Faust app id = consumer group and changelog topic prefix (the
+    topic prefix is added in front, so two deployments on one cluster never share state).
+    ``STORE`` (``rocksdb``): table store, ``rocksdb`` (rocksdict) or ``memory`` (state rebuilt from the
+    changelogs at every start). ``DATA_DIR``: where RocksDB keeps the tables.
+    ``IDLE_S`` (600): a session with no event for this long is built as partial.
+    ``GRACE_S`` (30): added to a spec's ``timeout_s`` before the session is built as partial, and the
+    least time after a (re)start before any deadline fires (so a replay can catch up first).
+    ``TICK_S`` (0.5): how often the deadline timer looks at open sessions.
+    ``SETTLE_S`` (1.0): how long after a (re)start a partition that delivered nothing counts as caught up.
+    ``SESSION_TIMEOUT_S`` (30): consumer group session timeout; a worker that died without leaving the
+    group holds its partitions this long before a restarted or other worker gets them.
+    ``HOST``/``PORT`` (127.0.0.1:18081): the worker's ``/health`` endpoint.
+    ``LOG_LEVEL`` (``info``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ROLLWIRE_PROCESSORS_", extra="ignore")
+
+    app_id: str = "processors"
+    store: Literal["rocksdb", "memory"] = "rocksdb"
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    idle_s: float = Field(default=600.0, gt=0)
+    grace_s: float = Field(default=30.0, ge=0)
+    tick_s: float = Field(default=0.5, gt=0)
+    settle_s: float = Field(default=1.0, ge=0)
+    session_timeout_s: float = Field(default=30.0, ge=6)
+    host: str = "127.0.0.1"
+    port: int = 18081
+    log_level: str = "info"
