@@ -1,4 +1,4 @@
-"""`rollwire proxy` (run the gateway proxy) and `rollwire session new` (register an ad-hoc session)."""
+"""`rollwire proxy` (run the gateway proxy) and `rollwire session new|end` (ad-hoc sessions by hand)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ def new_session(session_id: str = typer.Option(None, help="Id to use (default: g
     body = {"session_id": session_id} if session_id else {}
     response = httpx.post(f"{url}/v1/sessions", json=body, timeout=30)
     if response.status_code != 201:
+        typer.secho(f"error: {response.status_code} {response.text}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1)
+    typer.echo(json.dumps(response.json(), indent=2))
+
+
+@session_app.command("end")
+def end_session(session_id: str = typer.Argument(..., help="The session to end."),
+                status: str = typer.Option("completed", help="completed, timeout, error or cancelled."),
+                proxy_url: str = typer.Option(None, help="Proxy base URL (default from settings).")) -> None:
+    """End a session: its key stops working and the processors build its trajectories."""
+    url = proxy_url or ProxySettings().public_url
+    response = httpx.post(f"{url}/v1/sessions/{session_id}/end", json={"status": status}, timeout=30)
+    if response.status_code != 200:
         typer.secho(f"error: {response.status_code} {response.text}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
     typer.echo(json.dumps(response.json(), indent=2))
