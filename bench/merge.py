@@ -3,8 +3,9 @@
 Two kinds of sessions go through both builders:
 
 (a) recorded sessions: completion events (``Completion`` JSON, one per file or one per line of a
-    ``.jsonl``) found under ``tests/fixtures/harnesses/``, grouped by session id. Add recorded CLI
-    sessions from the ``completions`` topic there, or call :func:`compare` with them directly;
+    ``.jsonl``) found under ``tests/fixtures/sessions/``, grouped by session id: the real CLIs' scripted
+    sessions on the real vLLM engine, written there by ``record_sessions.py`` as ``<cli>-<n>.jsonl``
+    (figures per CLI, named after the file, then over all of them), or call :func:`compare` directly;
 (b) generated long sessions: a main agent of ``--turns`` turns with ``--tool-tokens``-token tool outputs,
     two side calls (title generation, memory extraction), a sub-agent started from the main agent's
     context (4 turns) and a history rewrite (old tool outputs elided) ten turns before the end.
@@ -15,8 +16,9 @@ sessions and on shorter ones (8 turns, ~3k-token completions: ``short_completion
 
     python -m bench.merge [--sessions N] [--turns T] [--tool-tokens K]
 
-Prints ``name=value`` lines, the key figure last: ``rows_ratio`` (per_request rows / prefix_merging rows
-on the generated sessions).
+Prints ``name=value`` lines: ``recorded_<cli>_…`` per CLI, ``recorded_…`` over the recorded sessions
+(``recorded_rows_ratio``), then the generated sessions' figures, the key figure last: ``rows_ratio``
+(per_request rows / prefix_merging rows on the generated sessions).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from bench.workloads import sampled_logprobs
 from processors.builders import SessionFacts, build_trajectory
 from schemas.completions import ChatMessage, Completion, NormalizedRequest
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "harnesses"
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "sessions"
 VOCAB = 151_643  # Qwen's
 EOT = 151_645  # <|im_end|>
 
@@ -104,7 +106,20 @@ def compare(sessions: Iterable[Sequence[Completion]]) -> Figures:
 
 def recorded_sessions(root: Path = FIXTURES) -> list[list[Completion]]:
     """Completion events stored under ``root`` (JSON or JSONL files), grouped by session id."""
+    return [events for sessions in recorded_by_cli(root).values() for events in sessions]
+
+
+def cli_of(path: Path) -> str:
+    """The CLI a recorded file is named after: ``codex-2.jsonl`` -> ``codex`` (else the file's stem)."""
+    head, _, tail = path.stem.rpartition("-")
+    return head if head and tail.isdigit() else path.stem
+
+
+def recorded_by_cli(root: Path = FIXTURES) -> dict[str, list[list[Completion]]]:
+    """Completion events stored under ``root``, grouped by session id, the sessions by the CLI their file
+    is named after (:func:`cli_of`; a session spread over files goes with its first file's CLI)."""
     by_session: dict[str, list[Completion]] = defaultdict(list)
+    cli: dict[str, str] = {}
     for path in sorted(root.rglob("*.json*")) if root.is_dir() else []:
         text = path.read_text(encoding="utf-8", errors="replace")
         documents = text.splitlines() if path.suffix == ".jsonl" else [text]
@@ -116,7 +131,11 @@ def recorded_sessions(root: Path = FIXTURES) -> list[list[Completion]]:
             except ValidationError:
                 continue  # a request-body fixture or another event type, not a completion event
             by_session[event.session_id].append(event)
-    return [by_session[s] for s in sorted(by_session)]
+            cli.setdefault(event.session_id, cli_of(path))
+    grouped: dict[str, list[list[Completion]]] = defaultdict(list)
+    for session_id in sorted(by_session, key=lambda s: (cli[s], s)):
+        grouped[cli[session_id]].append(by_session[session_id])
+    return dict(grouped)
 
 
 class _SessionWriter:
@@ -179,13 +198,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    recorded = recorded_sessions()
+    recorded = recorded_by_cli()
     if recorded:
-        print(*compare(recorded).lines("recorded_"), sep="\n")
+        for cli, sessions in recorded.items():
+            name = cli.replace("-", "_")
+            print(*(line for line in compare(sessions).lines(f"recorded_{name}_") if "_us_" not in line), sep="\n")
+        print(*compare([s for sessions in recorded.values() for s in sessions]).lines("recorded_"), sep="\n")
     else:
         where = FIXTURES.relative_to(Path.cwd()) if FIXTURES.is_relative_to(Path.cwd()) else FIXTURES
-        print(f"recorded_sessions=0  # no Completion events under {where} (its fixtures are request bodies); "
-              "add recorded sessions there or pass them to compare()")
+        print(f"recorded_sessions=0  # no Completion events under {where}; record them with "
+              "tests/fixtures/sessions/record_sessions.py or pass sessions to compare()")
 
     rng = np.random.default_rng(args.seed)
     # Builder cost on shorter sessions, nearer the pipeline benchmark's 2k-token completions.

@@ -89,12 +89,12 @@ class ClaudeRun(SessionRun):
 
 
 async def run_claude(proxy: ProxyUnderTest, root: Path, script_for: Callable[[Path], Script], *, max_tokens: int,
-                     seed: int) -> ClaudeRun:
+                     seed: int, instruction: str = INSTRUCTION) -> ClaudeRun:
     """Run Claude Code once in ``root/workspace`` (HOME ``root/home``) on a session scripted by ``script_for``."""
     home, workspace = make_dirs(root)
     script = script_for(workspace)
     session = proxy.new_session(engine={"max_tokens": max_tokens, "seed": seed, "turns": script.turns()})
-    command = [str(ensure_harness("claude-code")), "-p", INSTRUCTION, "--output-format", "json",
+    command = [str(ensure_harness("claude-code")), "-p", instruction, "--output-format", "json",
                "--dangerously-skip-permissions"]
     return await run_on_session(proxy, session, command, home=home, workspace=workspace,
                                 env=claude_env(session, home), run_type=ClaudeRun, script=script)
