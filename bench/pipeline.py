@@ -100,9 +100,10 @@ class Worker:
                "ROLLWIRE_PROCESSORS_DATA_DIR": str(data_dir), "ROLLWIRE_PROCESSORS_PORT": str(port),
                "ROLLWIRE_PROCESSORS_LOG_LEVEL": "warning"}
         self.log = (data_dir.parent / "worker.log").open("wb")
-        # ROLLWIRE_BENCH_PROFILE=FILE runs the worker under cProfile (written when it stops).
+        # ROLLWIRE_BENCH_PROFILE=FILE profiles the worker (cProfile) during the flood phase only (the paced
+        # one with ROLLWIRE_BENCH_PROFILE_PHASE=paced).
         profile = os.environ.get("ROLLWIRE_BENCH_PROFILE")
-        prefix = ["-m", "cProfile", "-o", profile] if profile else []
+        prefix = ["-m", "bench.profiled", profile] if profile else []
         self.process = subprocess.Popen([sys.executable, *prefix, "-m", "deploy.cli", "processors"], cwd=ROOT, env=env,
                                         stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -118,6 +119,15 @@ class Worker:
                 pass
             time.sleep(0.3)
         raise RuntimeError("worker did not become healthy")
+
+    def profiling(self, on: bool, phase: str) -> None:
+        if os.environ.get("ROLLWIRE_BENCH_PROFILE") and os.environ.get("ROLLWIRE_BENCH_PROFILE_PHASE", "flood") == phase:
+            self.process.send_signal(signal.SIGRTMIN + (3 if on else 4))  # see bench/profiled.py
+
+    def cpu_s(self) -> float:
+        """CPU seconds the worker process has used so far (user + system), from /proc."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def health(self) -> dict:
         return httpx.get(self.url, timeout=5).json()
@@ -196,12 +206,20 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"generate_s={time.time() - t0:.1f}")
         print(f"completion_bytes_mean={np.mean([len(r.value) for r in completions]):.0f}")
         worker.wait_healthy()
+        cpu0 = worker.cpu_s()
+        worker.profiling(True, "flood")
         flood = await run_phase(kafka, interleave(flood_sessions, args.concurrent), None, len(flood_sessions),
                                 timeout_s=600)
+        flood_cpu_s = worker.cpu_s() - cpu0
+        worker.profiling(False, "flood")
         rate = min(args.rate, 0.8 * flood["events_per_s"])
         events_per_completion = (args.turns + 2) / args.turns
+        cpu0 = worker.cpu_s()
+        worker.profiling(True, "paced")
         paced = await run_phase(kafka, interleave(paced_sessions, args.concurrent), rate * events_per_completion,
                                 len(paced_sessions), timeout_s=600)
+        paced_cpu_s = worker.cpu_s() - cpu0
+        worker.profiling(False, "paced")
         health = worker.health()
     finally:
         worker.stop()
@@ -209,12 +227,16 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent}")
     print(f"flood_completions={flood['completions']} flood_trajectories={flood['trajectories']}")
     print(f"flood_send_s={flood['send_s']:.1f}")
+    # CPU per completion is what this machine's load (other processes) does not distort much.
+    print(f"flood_worker_cpu_s={flood_cpu_s:.1f}")
+    print(f"worker_cpu_us_per_completion={flood_cpu_s / flood['completions'] * 1e6:.0f}")
     print(f"flood_end_to_trajectory_p99_ms={flood['p99_ms']:.0f}")
     print(f"paced_rate_completions_per_s={rate:.0f}")
     print(f"paced_events_per_s={paced['events_per_s']:.0f}")
+    print(f"paced_worker_cpu_us_per_completion={paced_cpu_s / paced['completions'] * 1e6:.0f}")
     print(f"end_to_trajectory_p50_ms={paced['p50_ms']:.0f}")
     print(f"end_to_trajectory_max_ms={paced['max_ms']:.0f}")
-    print(f"worker_dead_lettered={health.get('dead_lettered')}")
+    print(f"worker_dead_lettered={health.get('dead_lettered')} worker_read_back={health.get('read_back')}")
     print(f"end_to_trajectory_p99_ms={paced['p99_ms']:.0f}")
     print(f"events_per_s={flood['events_per_s']:.0f}")
 

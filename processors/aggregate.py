@@ -4,8 +4,9 @@
 time (agent concurrency 1, so a session's state has a single writer). Tables are passed in as mappings
 of bytes to bytes, so the same code runs on Faust tables (RocksDB) and on dicts in tests.
 
-Life of a session: events arrive → :class:`~processors.sessions.OpenSession` plus one table entry per
-completion → on ``session.ended`` (once every input partition has been read up to that record) or at
+Life of a session: events arrive → :class:`~processors.sessions.OpenSession` plus one small table
+entry per completion (a :class:`~processors.sessions.CallRef`: where the record is in the log; the
+bytes are kept in a :class:`~processors.payloads.PayloadCache` and read back from the log on a miss) → on ``session.ended`` (once every input partition has been read up to that record) or at
 its deadline (a timer asks through the control topic) the builder named in the spec runs and the
 Trajectory is sent → when the broker has acknowledged it, a control record ``emitted`` deletes the
 session's entries and remembers its id in ``built`` (late or replayed records of a built session are
@@ -17,16 +18,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
+from pydantic import ValidationError
 
 from processors.builders import UnknownBuilder, build_trajectory
 from processors.intake import dead_letter, peek
+from processors.payloads import PayloadCache
 from processors.progress import InputProgress
 from processors.sessions import (
+    CallRef,
     EndFacts,
     OpenSession,
     SpecFacts,
@@ -62,7 +66,7 @@ class Record(Protocol):
 @dataclass
 class Tables:
     open: Table  # session id -> OpenSession
-    calls: Table  # call_key(session, n) -> raw completion record value
+    calls: Table  # call_key(session, n) -> CallRef of the completion record (partition, offset)
     specs: Table  # session id -> SpecFacts
     built: Table  # session id -> trajectory event id
 
@@ -79,6 +83,32 @@ class Outputs:
     send_control: Callable[[str, int, dict[str, Any]], Awaitable[None]]
     # The consumer's high watermark of (topic, partition), None if not known yet.
     highwater: Callable[[str, int], int | None]
+    # Read completion records back from the log: (partition, offsets) -> {offset: value}, absent if gone.
+    read_completions: Callable[[int, list[int]], Awaitable[dict[int, bytes]]]
+
+
+def _delete(table: Table, key: bytes) -> None:
+    try:
+        del table[key]
+    except KeyError:  # a dict in tests; the RocksDB store deletes a missing key silently
+        pass
+
+
+def _validate_completion(value: bytes) -> Completion:
+    """Full validation of a completion whose envelope passed :func:`~processors.intake.peek` at intake.
+
+    The envelope checks were done then, so this is the model's validation only (orjson: the stdlib
+    parser cost a third of decode_event on a 20 kB record). Raises EventDecodeError like decode_event.
+    """
+    try:
+        return Completion.model_validate(orjson.loads(value))
+    except orjson.JSONDecodeError as exc:
+        raise EventDecodeError("invalid_json", f"record value is not JSON: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(root)"
+        raise EventDecodeError("invalid_event", f"{exc.title} failed validation ({exc.error_count()} errors), "
+                               f"first: {where}: {first['msg']}") from exc
 
 
 class SessionAggregator:
@@ -86,21 +116,26 @@ class SessionAggregator:
 
     def __init__(self, tables: Tables, outputs: Outputs, registry: TopicRegistry, *, control_topic: str,
                  group: str, idle_s: float, grace_s: float, settle_s: float, max_message_bytes: int,
-                 clock: Callable[[], float] = time.time) -> None:
+                 cache_bytes: int = 512 * 1024 * 1024, clock: Callable[[], float] = time.time) -> None:
         self.t, self.out, self.registry = tables, outputs, registry
         self.control_topic, self.group = control_topic, group
         self.idle_s, self.grace_s = idle_s, grace_s
         self.max_message_bytes = max_message_bytes
         self.clock = clock
         self.progress = InputProgress(settle_s)
+        self.payloads = PayloadCache(cache_bytes)  # derived: the log is the fallback
         self.in_flight: set[str] = set()  # built and sent, not yet acknowledged (derived; reset on rebalance)
         self._asked: dict[str, float] = {}  # control records recently sent, to not repeat them every tick
         # Ended sessions waiting for their partition's other inputs to be read up to the end record
         # (derived, reset on rebalance; after a restart the timer finds them in the table).
         self._waiting: dict[int, dict[str, float]] = {}
+        # A copy of the open table for the timer's scan (iterating RocksDB every tick cost more than the
+        # records): loaded from the table at the first tick after a (re)assignment, then written through.
+        self._open: dict[bytes, bytes] | None = None
         self._names = {t: registry.name(t) for t in Topic}
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
-        self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0}
+        self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
+                         "read_back": 0, "lost": 0}
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -132,13 +167,15 @@ class SessionAggregator:
             if envelope.session_id in self.in_flight:
                 logger.warning("completion %s arrived after session %s was built; not in its trajectory",
                                envelope.event_id, envelope.session_id)
-            self.t.calls[call_key(envelope.session_id, session.count)] = record.value  # type: ignore[assignment]
+            self.payloads.put(record.partition, record.offset, record.value)  # type: ignore[arg-type]
+            self.t.calls[call_key(envelope.session_id, session.count)] = CallRef(record.partition,
+                                                                                 record.offset).dumps()
             session = session.with_call(now)
         elif isinstance(event, SessionEnded):
             session = session.ended(EndFacts.of(event, record.timestamp), now)
         else:
             session = session.touched(now)
-        self.t.open[sid] = session.dumps()
+        self._set_open(sid, session.dumps())
         if session.end is not None:
             if self._ready(session, now):
                 await self._build(envelope.session_id, session, partial=False)
@@ -149,9 +186,11 @@ class SessionAggregator:
 
     async def _build_waiting(self, partition: int, now: float) -> None:
         waiting = self._waiting[partition]
-        for session_id, ts in list(waiting.items()):
+        # Oldest end first: a partition read past a later end record is read past every earlier one, so
+        # the first session not ready yet stops the scan (checking them all on every record cost O(n²)).
+        for session_id, ts in sorted(waiting.items(), key=lambda item: item[1]):
             if not self.progress.read_up_to(self._others, partition, ts, now, self.out.highwater):
-                continue
+                break
             del waiting[session_id]
             raw = self.t.open.get(session_id.encode())
             if raw is not None:
@@ -171,15 +210,12 @@ class SessionAggregator:
         raw_spec = self.t.specs.get(sid)
         spec = SpecFacts.loads(raw_spec) if raw_spec is not None else None
         completions: list[Completion] = []
-        for n in range(session.count):
-            value = self.t.calls.get(call_key(session_id, n))
-            if value is None:
-                continue
+        for ref, value in (await self._payloads(session_id, session)).items():
             try:
-                event = decode_event(value, self.registry.spec(Topic.COMPLETIONS))
+                event = _validate_completion(value)
             except EventDecodeError as exc:
                 # It passed the envelope check at intake; the full validation happens only now.
-                await self._dead_letter_value(session_id, session.partition, value, exc)
+                await self._dead_letter_value(session_id, ref, value, exc)
                 continue
             completions.append(event)  # type: ignore[arg-type]
         try:
@@ -193,6 +229,36 @@ class SessionAggregator:
         self.counters["trajectories"] += 1
         self.counters["partial"] += partial
         await self.out.send_trajectory(trajectory, session.partition)
+
+    def _refs(self, session_id: str, session: OpenSession) -> list[CallRef]:
+        """The session's completion records, each once (a re-delivered record has the same offset)."""
+        refs = (self.t.calls.get(call_key(session_id, n)) for n in range(session.count))
+        return list(dict.fromkeys(CallRef.loads(raw) for raw in refs if raw is not None))
+
+    async def _payloads(self, session_id: str, session: OpenSession) -> dict[CallRef, bytes]:
+        """Each completion record's value, from the cache or else read back from the log, in log order."""
+        refs = self._refs(session_id, session)
+        values = {ref: self.payloads.get(ref.partition, ref.offset) for ref in refs}
+        missing: dict[int, list[int]] = {}
+        for ref, value in values.items():
+            if value is None:
+                missing.setdefault(ref.partition, []).append(ref.offset)
+        for partition, offsets in missing.items():
+            found = await self.out.read_completions(partition, offsets)
+            self.counters["read_back"] += len(found)
+            for offset in offsets:
+                values[CallRef(partition, offset)] = found.get(offset)
+        out: dict[CallRef, bytes] = {}
+        for ref, value in values.items():
+            if value is None:
+                self.counters["lost"] += 1
+                logger.error("session %s: completion at %s/%d is no longer in the log (retention?); built "
+                             "without it", session_id, ref.partition, ref.offset)
+            else:
+                out[ref] = value
+            # Built now: a rebuild (a failed send) reads the log; late records are evicted with age.
+            self.payloads.discard(ref.partition, ref.offset)
+        return out
 
     def on_send_failed(self, session_id: str) -> None:
         """The trajectory was not recorded: forget it was in flight so that the next tick retries."""
@@ -215,8 +281,9 @@ class SessionAggregator:
             self.t.built[sid] = str(doc.get("event_id", "")).encode()
             if raw is not None:
                 for n in range(OpenSession.loads(raw).count):
-                    self.t.calls.pop(call_key(session_id, n), None)
+                    _delete(self.t.calls, call_key(session_id, n))  # no read first: pop() costs a get
                 del self.t.open[sid]
+                self._del_open(sid)
             self.t.specs.pop(sid, None)
             return
         if raw is None or sid in self.t.built or session_id in self.in_flight:
@@ -239,16 +306,19 @@ class SessionAggregator:
 
     # -- the timer -----------------------------------------------------------------------------------
 
-    async def tick(self, active_partitions: set[int], items: Any) -> None:
+    async def tick(self, active_partitions: set[int], load: Callable[[], Iterable[tuple[bytes, bytes]]]) -> None:
         """Look at every open session of our partitions: ask for the build of those that are due.
 
-        ``items`` iterates (session id, OpenSession bytes). The timer cannot write tables (no current
+        ``load`` iterates the open table, (session id, OpenSession bytes); it is read once after each
+        (re)assignment, then kept up to date by the agent. The timer cannot write tables (no current
         record), so it sends a control record to the session's partition and the agent acts on it.
         """
         now = self.clock()
         if self.progress.active_since is None:
             self.progress.active_since = now
-        for sid, raw in items:
+        if self._open is None:
+            self._open = dict(load())
+        for sid, raw in list(self._open.items()):
             session = OpenSession.loads(raw)
             session_id = sid.decode()
             if session.partition not in active_partitions or session_id in self.in_flight:
@@ -267,12 +337,24 @@ class SessionAggregator:
             self._asked[session_id] = now
             await self.out.send_control(session_id, session.partition, {"kind": kind, "session_id": session_id})
 
-    def reset(self) -> None:
+    def reset(self, partitions: set[int] | None = None) -> None:
         """Partitions were revoked or assigned: drop what was derived from the old assignment."""
+        if partitions is not None:
+            self.payloads.retain(partitions)
         self.progress.reset()
         self.in_flight.clear()
         self._asked.clear()
         self._waiting.clear()
+        self._open = None
+
+    def _set_open(self, sid: bytes, raw: bytes) -> None:
+        self.t.open[sid] = raw
+        if self._open is not None:
+            self._open[sid] = raw
+
+    def _del_open(self, sid: bytes) -> None:
+        if self._open is not None:
+            self._open.pop(sid, None)
 
     # -- dead letters --------------------------------------------------------------------------------
 
@@ -285,12 +367,12 @@ class SessionAggregator:
             value=record.value, headers=record.headers, group=self.group, error_type=error_type,
             reason=reason, max_message_bytes=self.max_message_bytes))
 
-    async def _dead_letter_value(self, session_id: str, partition: int, value: bytes,
+    async def _dead_letter_value(self, session_id: str, ref: CallRef, value: bytes,
                                  exc: EventDecodeError) -> None:
         self.counters["dead_lettered"] += 1
         logger.warning("dead-lettering a stored completion of %s (%s)", session_id, exc)
         await self.out.send_dead_letter(dead_letter(
-            topic=self._names[Topic.COMPLETIONS], partition=partition, offset=-1,  # offset not kept in the table
+            topic=self._names[Topic.COMPLETIONS], partition=ref.partition, offset=ref.offset,
             key=session_id.encode(), value=value, headers=None, group=self.group, error_type=exc.error_type,
             reason=f"{exc.reason} (found when session {session_id} was built)",
             max_message_bytes=self.max_message_bytes))

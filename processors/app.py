@@ -22,6 +22,7 @@ import orjson
 from faust.types import TP
 
 from processors.aggregate import Outputs, SessionAggregator, Tables
+from processors.payloads import LogReader
 from processors.settings import ProcessorSettings
 from processors.topics import app_id, changelog_configs, control_topic
 from schemas.codec import encode_event, event_headers
@@ -51,8 +52,9 @@ app = faust.App(
     web_enabled=False,  # the health page below needs no aiohttp
     processing_guarantee="at_least_once",
     producer_acks=-1,
-    producer_compression_type="zstd",
+    producer_compression_type=None if conf.compression == "none" else conf.compression,
     producer_linger=0.005,  # batch the changelog writes: one produce request per record costs more CPU
+    producer_max_batch_size=1024 * 1024,  # aiokafka's 16 kB default put every trajectory in its own batch
     producer_max_request_size=kafka.max_message_bytes,
     consumer_max_fetch_size=kafka.fetch_bytes,
     consumer_auto_offset_reset="earliest",
@@ -78,7 +80,7 @@ def _table(name: str, help: str) -> faust.Table:
 
 tables = Tables(
     open=_table("open_sessions", "session id -> OpenSession (small)"),
-    calls=_table("session_calls", "(session id, n) -> one completion record"),
+    calls=_table("session_calls", "(session id, n) -> CallRef: partition:offset of one completion record"),
     specs=_table("session_specs", "session id -> SpecFacts"),
     built=_table("built_sessions", "session id -> trajectory event id"),
 )
@@ -112,6 +114,9 @@ async def send_control(session_id: str, partition: int, record: dict) -> None:
     await control.send(key=session_id.encode(), value=orjson.dumps(record), partition=partition)
 
 
+log_reader = LogReader(kafka.kafka_bootstrap, registry.name(Topic.COMPLETIONS), fetch_bytes=kafka.fetch_bytes)
+
+
 def highwater(topic: str, partition: int) -> int | None:
     try:
         return app.consumer.highwater(TP(topic, partition))
@@ -120,9 +125,10 @@ def highwater(topic: str, partition: int) -> int | None:
 
 
 aggregator = SessionAggregator(
-    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater), registry,
+    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read), registry,
     control_topic=control_topic(kafka, conf.app_id), group=app.conf.id, idle_s=conf.idle_s,
-    grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes)
+    grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes,
+    cache_bytes=conf.cache_mb * 1024 * 1024)
 
 
 @app.agent(inputs, concurrency=1)
@@ -139,12 +145,17 @@ async def deadlines() -> None:
         aggregator.progress.active_since = None
         return
     actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
-    await aggregator.tick(actives, list(tables.open.items()))
+    await aggregator.tick(actives, tables.open.items)
 
 
 @app.on_partitions_assigned.connect
 async def _assigned(sender: faust.App, assigned: set[TP], **kwargs: object) -> None:
-    aggregator.reset()
+    aggregator.reset({tp.partition for tp in assigned if tp.topic == control.get_topic_name()})
+
+
+@app.on_before_shutdown.connect
+async def _stopping(sender: faust.App, **kwargs: object) -> None:
+    await log_reader.stop()
 
 
 @app.task

@@ -27,7 +27,11 @@ def run() -> None:
     conf.data_dir.mkdir(parents=True, exist_ok=True)
     from processors.app import app as faust_app  # imported only now: it reads the environment at import
 
-    Worker(faust_app, loglevel=conf.log_level).execute_from_commandline()
+    worker = Worker(faust_app, loglevel=conf.log_level)
+    # Faust's terminal spinner (kept at WARNING and above) sets the root logger to DEBUG so that every
+    # debug line of aiokafka and Faust makes a LogRecord: about a tenth of the worker's CPU. Not wanted.
+    worker.spinner = None
+    worker.execute_from_commandline()
 
 
 def rebuild(builder: str = typer.Option(..., "--builder", help="per_request or prefix_merging."),

@@ -1,8 +1,10 @@
 """Per-session state of the trajectory worker, as plain values: what is kept, when a session is due.
 
 The Faust app (processors/app.py) keeps, per open session, one small :class:`OpenSession` value (a
-counter, times, the end facts) and each completion's raw bytes under its own key ``(session, n)``: no
-table value grows with the session, so a table write never re-sends a growing value to its changelog.
+counter, times, the end facts) and, under its own key ``(session, n)``, a :class:`CallRef` saying where
+each completion sits in the ``completions`` log (the bytes stay in the log, see processors/payloads.py):
+no table value grows with the session or holds a payload, so a table write never re-sends much to its
+changelog.
 The spec's few fields the worker needs are kept apart (:class:`SpecFacts`), since a spec may arrive
 before or after the session's first event. Everything here is pure and tested without Kafka.
 """
@@ -23,6 +25,22 @@ DEFAULT_BUILDER = "prefix_merging"
 def call_key(session_id: str, n: int) -> bytes:
     """The table key of a session's ``n``-th stored completion (NUL cannot occur in a session id's JSON)."""
     return f"{session_id}\x00{n:08d}".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class CallRef:
+    """Where one completion record is: its partition and offset in the ``completions`` topic."""
+
+    partition: int
+    offset: int
+
+    def dumps(self) -> bytes:
+        return b"%d:%d" % (self.partition, self.offset)
+
+    @classmethod
+    def loads(cls, raw: bytes) -> CallRef:
+        partition, _, offset = raw.partition(b":")
+        return cls(int(partition), int(offset))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +86,7 @@ class OpenSession:
     """A session that has had events and is not built yet."""
 
     partition: int
-    count: int = 0  # completions stored under call_key(session, 0..count-1); duplicates included
+    count: int = 0  # CallRefs stored under call_key(session, 0..count-1); re-deliveries included
     first_seen: float = 0.0
     last_seen: float = 0.0
     end: EndFacts | None = None

@@ -30,7 +30,7 @@ def control_topic(kafka: KafkaSettings, name: str) -> str:
 
 
 def changelog_configs(kafka: KafkaSettings) -> dict[str, str]:
-    """Changelog topic configs: a table value may be a whole completion record."""
+    """Changelog topic configs (values are small; the limit is the deployment's, as for every topic)."""
     return {"max.message.bytes": str(kafka.max_message_bytes + FRAMING_BYTES)}
 
 

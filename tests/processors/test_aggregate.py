@@ -1,0 +1,192 @@
+"""The worker's logic without Kafka: SessionAggregator over dict tables, the payload cache, CallRef.
+
+Completion payloads are not copied into tables (issue 5: a table write re-sends its value to the
+changelog); these tests pin what replaces them: one small CallRef per completion, the bytes from the
+cache, and the log read back by offset when the cache misses (after a restart), with the same trajectory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from processors.aggregate import Outputs, SessionAggregator, Tables
+from processors.payloads import PayloadCache
+from processors.sessions import CallRef
+from schemas.codec import encode_event
+from schemas.topics import Topic, TopicRegistry
+from schemas.trajectories import Trajectory
+from tests.processors.test_worker import expected
+from tests.processors.worker_process import linear_session
+
+REGISTRY = TopicRegistry("u.", 4, 2)
+CONTROL = "u.processors-control"
+
+
+@dataclass
+class Rec:
+    topic: str
+    partition: int
+    offset: int
+    value: bytes | None
+    key: bytes | None
+    timestamp: float = 0.0
+    headers: Any = None
+
+
+@dataclass
+class FakeKafka:
+    """Records the aggregator's sends; serves the completions log by offset."""
+
+    log: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    reads: list[tuple[int, list[int]]] = field(default_factory=list)
+    ends: dict[str, int] = field(default_factory=dict)  # topic -> high watermark (one partition used)
+
+    def outputs(self) -> Outputs:
+        async def send_trajectory(t: Trajectory, partition: int) -> None:
+            self.trajectories.append(t)
+
+        async def nothing(*args: object) -> None:
+            return None
+
+        async def read(partition: int, offsets: list[int]) -> dict[int, bytes]:
+            self.reads.append((partition, offsets))
+            return {o: self.log[partition, o] for o in offsets if (partition, o) in self.log}
+
+        return Outputs(send_trajectory, nothing, nothing, lambda topic, p: self.ends.get(topic, 0), read)
+
+
+def _aggregator(tables: Tables, kafka: FakeKafka, **kwargs: Any) -> SessionAggregator:
+    return SessionAggregator(tables, kafka.outputs(), REGISTRY, control_topic=CONTROL, group="g", idle_s=600,
+                             grace_s=30, settle_s=0, max_message_bytes=8 << 20, **kwargs)
+
+
+def _records(plan, kafka: FakeKafka) -> list[Rec]:
+    out, offsets = [], {}
+    events = [e for e in (plan.spec, *plan.completions, plan.end) if e is not None]
+    for ts, event in enumerate(events):
+        topic = REGISTRY.name(event.topic)
+        offset = offsets.get(topic, 0)
+        offsets[topic] = kafka.ends[topic] = offset + 1
+        value = encode_event(event)
+        if event.topic is Topic.COMPLETIONS:
+            kafka.log[1, offset] = value
+        out.append(Rec(topic, 1, offset, value, plan.session_id.encode(), timestamp=float(ts)))
+    return out
+
+
+def _tables() -> Tables:
+    return Tables(open={}, calls={}, specs={}, built={})
+
+
+async def test_tables_hold_small_refs_and_the_build_uses_the_cache() -> None:
+    plan = linear_session("a1", turns=4, seed=1)
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka)
+    for record in _records(plan, kafka):
+        await aggregator.handle(record)
+    assert [t.event_id for t in kafka.trajectories] == [expected(plan).event_id]
+    assert kafka.reads == []  # everything came from the cache
+    assert len(tables.calls) == 4 and all(len(v) < 32 for v in tables.calls.values())
+    assert sorted(CallRef.loads(v).offset for v in tables.calls.values()) == [0, 1, 2, 3]
+
+
+async def test_a_restart_reads_payloads_back_from_the_log() -> None:
+    """After a restart the cache is empty: the same trajectory, its completions read back by offset."""
+    plan = linear_session("a2", turns=5, seed=2)
+    kafka, tables = FakeKafka(), _tables()
+    records = _records(plan, kafka)
+    first = _aggregator(tables, kafka)
+    for record in records[:-1]:  # spec and completions, then the worker dies
+        await first.handle(record)
+    restarted = _aggregator(tables, kafka)  # same (changelogged) tables, fresh memory
+    restarted.progress.active_since = 0.0  # the timer's first tick: settled (settle_s is 0)
+    await restarted.handle(records[-1])
+    await restarted.handle(records[2])  # a re-delivered completion: same offset, used once
+    assert [t.event_id for t in kafka.trajectories] == [expected(plan).event_id]
+    assert kafka.reads == [(1, [0, 1, 2, 3, 4])]
+    assert restarted.counters["read_back"] == 5 and restarted.counters["lost"] == 0
+
+
+async def test_an_evicted_payload_gone_from_the_log_is_counted_lost() -> None:
+    plan = linear_session("a3", turns=3, seed=3)
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka, cache_bytes=0)  # nothing fits: every payload read back
+    records = _records(plan, kafka)
+    del kafka.log[1, 0]  # deleted by retention before the session was built
+    for record in records:
+        await aggregator.handle(record)
+    assert aggregator.counters["lost"] == 1 and aggregator.counters["read_back"] == 2
+    assert kafka.trajectories[0].stats.completions == 2
+
+
+def test_payload_cache_evicts_oldest_and_retains_assigned_partitions() -> None:
+    cache = PayloadCache(max_bytes=10)
+    cache.put(0, 1, b"aaaa")
+    cache.put(1, 1, b"bbbb")
+    cache.put(0, 2, b"cccc")  # over budget: (0, 1) goes
+    assert cache.get(0, 1) is None and cache.get(1, 1) == b"bbbb" and cache.bytes == 8
+    cache.retain({0})
+    assert cache.get(1, 1) is None and cache.get(0, 2) == b"cccc" and cache.bytes == 4
+    cache.discard(0, 2)
+    assert len(cache) == 0 and cache.bytes == 0
+
+
+def test_call_ref_round_trip() -> None:
+    assert CallRef.loads(CallRef(7, 123456789).dumps()) == CallRef(7, 123456789)
+
+
+async def test_ended_sessions_wait_for_their_partition_in_end_order() -> None:
+    """An ended session is built once its partition is read past its end record (checked oldest first)."""
+    plans = [linear_session(f"w{i}", turns=2, seed=10 + i) for i in range(2)]
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka)
+    streams = [_records(plan, FakeKafka()) for plan in plans]
+    ends = [r[-1] for r in streams]
+    completions = REGISTRY.name(Topic.COMPLETIONS)
+    kafka.ends[completions] = 10**6  # far from drained: only watermarks can make a session ready
+    for stream in streams:
+        for record in stream[:-1]:
+            record.timestamp = 0.0
+            if record.topic == completions:
+                record.offset += 100 * int(record.key == b"w1")
+                kafka.log[1, record.offset] = record.value  # type: ignore[index]
+            await aggregator.handle(record)
+    ends[0].timestamp, ends[1].timestamp = 5.0, 9.0
+    for end in ends:
+        await aggregator.handle(end)
+    assert kafka.trajectories == []  # completions not read past either end yet
+    other = linear_session("w2", turns=2, seed=12, ended=False).completions
+    for offset, (call, ts) in enumerate(zip(other, (6.0, 9.5)), start=500):
+        value = encode_event(call)
+        kafka.log[1, offset] = value
+        await aggregator.handle(Rec(completions, 1, offset, value, b"w2", timestamp=ts))
+        assert [t.session_id for t in kafka.trajectories] == ["w0", "w1"][:offset - 499]
+    assert [t.session_id for t in kafka.trajectories] == ["w0", "w1"]
+
+
+async def test_the_timer_scans_a_copy_of_the_open_table() -> None:
+    """The open table is read once per assignment; the agent's writes keep the copy current."""
+    plan = linear_session("t1", turns=2, seed=5, ended=False)
+    kafka, tables = FakeKafka(), _tables()
+    clock = [1000.0]
+    aggregator = _aggregator(tables, kafka, clock=lambda: clock[0])
+    loads = []
+
+    def load():
+        loads.append(1)
+        return list(tables.open.items())
+
+    sent: list[dict] = []
+
+    async def send_control(session_id: str, partition: int, record: dict) -> None:
+        sent.append(record)
+
+    aggregator.out.send_control = send_control
+    await aggregator.tick({1}, load)  # nothing open yet
+    for record in _records(plan, kafka)[:-1]:
+        await aggregator.handle(record)
+    clock[0] += 10_000  # past the idle deadline
+    await aggregator.tick({1}, load)
+    assert loads == [1] and sent == [{"kind": "deadline", "session_id": "t1"}]
