@@ -13,9 +13,8 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 
-from schemas.codec import EVENT_TYPES, EventDecodeError
+from schemas.codec import EventDecodeError, check_envelope
 from schemas.dead_letter import DeadLetter
 from schemas.topics import TopicSpec
 
@@ -32,24 +31,8 @@ class Envelope:
 
 def peek(value: bytes | None, key: bytes | None, spec: TopicSpec) -> Envelope:
     """Check a record's envelope; raises EventDecodeError (with the dead letter's error_type) if it is bad."""
-    if value is None:
-        raise EventDecodeError("empty_value", "record has no value (tombstone or null)")
-    try:
-        document = orjson.loads(value)
-    except orjson.JSONDecodeError as exc:
-        raise EventDecodeError("invalid_json", f"record value is not JSON: {exc}") from exc
-    if not isinstance(document, dict):
-        raise EventDecodeError("invalid_event", f"record value is a JSON {type(document).__name__}, not an object")
-    event_type = document.get("event_type")
-    model = EVENT_TYPES.get(event_type) if isinstance(event_type, str) else None
-    if model is None:
-        raise EventDecodeError("unknown_event_type", f"event_type {event_type!r} is not one of {sorted(EVENT_TYPES)}")
-    supported = model.model_fields["schema_version"].default
-    if document.get("schema_version") != supported:
-        raise EventDecodeError("unsupported_schema_version", f"{event_type} schema_version "
-                               f"{document.get('schema_version')!r}; this consumer reads version {supported}")
-    if event_type not in spec.event_types:
-        raise EventDecodeError("wrong_topic", f"{event_type} does not belong on {spec.name}")
+    document, _ = check_envelope(value, spec)
+    event_type = document["event_type"]
     event_id, session_id = document.get("event_id"), document.get("session_id")
     if not isinstance(event_id, str) or not event_id:
         raise EventDecodeError("invalid_event", "event_id is missing or not a string")

@@ -9,9 +9,9 @@ in order: valid JSON object, a known event type, a supported schema version, the
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Union
 
+import orjson
 from pydantic import Field, TypeAdapter, ValidationError
 
 from schemas.completions import Completion
@@ -64,13 +64,15 @@ def _supported_version(model: type[Event]) -> int:
     return int(model.model_fields["schema_version"].default)
 
 
-def decode_event(value: bytes | None, topic: TopicSpec | None = None) -> Event:
-    """Parse and validate a record value; raises EventDecodeError saying what is wrong."""
+def check_envelope(value: bytes | None, topic: TopicSpec | None = None) -> tuple[dict[str, Any], type[Event]]:
+    """The record's JSON document and its event model, after the envelope checks (JSON object, known
+    event type, supported schema version, right topic) but before validating the body; raises
+    EventDecodeError saying what is wrong. Cheap: for consumers that look at the envelope first."""
     if value is None:
         raise EventDecodeError("empty_value", "record has no value (tombstone or null)")
     try:
-        document = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        document = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
         raise EventDecodeError("invalid_json", f"record value is not JSON: {exc}") from exc
     if not isinstance(document, dict):
         raise EventDecodeError("invalid_event", f"record value is a JSON {type(document).__name__}, not an object")
@@ -85,6 +87,12 @@ def decode_event(value: bytes | None, topic: TopicSpec | None = None) -> Event:
                                f"version {_supported_version(model)}")
     if topic is not None and event_type not in topic.event_types:
         raise EventDecodeError("wrong_topic", f"{event_type} does not belong on {topic.name}")
+    return document, model
+
+
+def decode_event(value: bytes | None, topic: TopicSpec | None = None) -> Event:
+    """Parse and validate a record value; raises EventDecodeError saying what is wrong."""
+    document, model = check_envelope(value, topic)
     try:
         return model.model_validate(document)
     except ValidationError as exc:
