@@ -29,7 +29,15 @@ from proxy.openai_responses import ResponsesApi
 from proxy.calls import CallService
 from proxy.capture import CallContext, Recorder, body_digest
 from proxy.engine import VllmEngine
-from proxy.errors import BadRequest, CaptureFailed, NotFound, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from proxy.errors import (
+    BadRequest,
+    CaptureFailed,
+    NotFound,
+    PayloadTooLarge,
+    ProxyError,
+    UnsupportedMediaType,
+    UpgradeRequired,
+)
 from proxy.metrics import ProxyMetrics
 from proxy.providers import ProviderApi, Route
 from proxy.sessions import LiveSession, RegistryFeed, SessionRegistry
@@ -152,16 +160,12 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             status = 200
             return StreamingResponse(_prepend(first, chunks), media_type=provider.stream_media_type,
                                      headers={"cache-control": "no-cache"})
-        except ProxyError as error:
+        except Exception as exc:
+            error = _as_proxy_error(request, exc)
             status = error.status_code
             if not isinstance(error, CaptureFailed):
                 state.metrics.error(provider.name, error.kind)
             return JSONResponse(provider.error_body(error), status_code=error.status_code)
-        except Exception as exc:  # a bug of ours: still answer in the harness's protocol, never a traceback
-            logger.exception("unhandled error on %s", request.url.path)
-            state.metrics.error(provider.name, "internal")
-            error = ProxyError(f"internal proxy error ({type(exc).__name__}); see the proxy log")
-            return JSONResponse(provider.error_body(error), status_code=500)
         finally:
             state.metrics.requests.labels(api=provider.name, status=str(status)).inc()
             state.metrics.latency.labels(api=provider.name).observe(time.perf_counter() - started)
@@ -190,9 +194,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     @app.get("/s/{session_id}/v1/responses")
     async def responses_websocket(session_id: str | None = None) -> Response:
         # Codex tries a WebSocket upgrade first with some providers; 426 sends it straight to HTTP + SSE.
-        error = ProxyError("this server speaks the Responses API over HTTP (POST with SSE), not WebSocket")
-        error.status_code = 426
-        return JSONResponse(responses.error_body(error), status_code=426)
+        error = UpgradeRequired("this server speaks the Responses API over HTTP (POST with SSE), not WebSocket")
+        return JSONResponse(responses.error_body(error), status_code=error.status_code)
 
     @app.websocket("/v1/responses")
     @app.websocket("/s/{session_id}/v1/responses")
@@ -216,7 +219,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             document, _ = await read_json_body(request, settings.proxy_max_body_bytes)
             await state.registry.resolve(session_id, _api_key(request), settings.session_wait_s)
             count = await state.engine.count_prompt_tokens(messages.parse_count(document))
-        except ProxyError as error:
+        except Exception as exc:
+            error = _as_proxy_error(request, exc)
             return JSONResponse(messages.error_body(error), status_code=error.status_code)
         return JSONResponse({"input_tokens": count})
 
@@ -313,11 +317,18 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        error = ProxyError(f"internal proxy error ({type(exc).__name__}); see the proxy log")
-        return JSONResponse(openai_chat.error_body(error), status_code=500)
+        return JSONResponse(openai_chat.error_body(_as_proxy_error(request, exc)), status_code=500)
 
     return app
+
+
+def _as_proxy_error(request: Request, exc: Exception) -> ProxyError:
+    """``exc`` as the ProxyError to answer with; anything else is a bug of ours, logged, and still answered
+    in the caller's protocol (a 500 without a traceback)."""
+    if isinstance(exc, ProxyError):
+        return exc
+    logger.exception("unhandled error on %s", request.url.path)
+    return ProxyError(f"internal proxy error ({type(exc).__name__}); see the proxy log")
 
 
 async def _publish(state: ProxyState, event: SessionSpec | SessionEnded) -> JSONResponse | None:

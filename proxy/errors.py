@@ -50,6 +50,12 @@ class NotFound(BadRequest):
     status_code = 404
 
 
+class UpgradeRequired(BadRequest):
+    """The client asked for a protocol this route does not speak (a WebSocket upgrade)."""
+
+    status_code = 426
+
+
 class UnknownSession(ProxyError):
     """The path or key names no registered, live session."""
 
