@@ -38,6 +38,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.workloads import TokenSource, session_completions
+from deploy.kafka import delete_topics
 from processors.topics import prepare_topics
 from schemas.codec import encode_event, event_headers
 from schemas.envelope import Event
@@ -224,6 +225,7 @@ async def bench(args: argparse.Namespace) -> None:
     finally:
         worker.stop()
         shutil.rmtree(home, ignore_errors=True)
+        await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
     print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent}")
     print(f"flood_completions={flood['completions']} flood_trajectories={flood['trajectories']}")
     print(f"flood_send_s={flood['send_s']:.1f}")

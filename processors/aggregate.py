@@ -1,12 +1,13 @@
 """The trajectory worker's logic: records in, table updates and trajectories out (no Faust in here).
 
-:class:`SessionAggregator` is what the Faust agent calls for every record, in partition order, one at a
-time (agent concurrency 1, so a session's state has a single writer). Tables are passed in as mappings
+:class:`SessionAggregator` is what the Faust agent calls for every batch of records, in partition order
+(agent concurrency 1, so a session's state has a single writer). Tables are passed in as mappings
 of bytes to bytes, so the same code runs on Faust tables (RocksDB) and on dicts in tests.
 
-Life of a session: events arrive → :class:`~processors.sessions.OpenSession` plus one small table
-entry per completion (a :class:`~processors.sessions.CallRef`: where the record is in the log; the
-bytes are kept in a :class:`~processors.payloads.PayloadCache` and read back from the log on a miss) → on ``session.ended`` (once every input partition has been read up to that record) or at
+Life of a session: events arrive → one small :class:`~processors.sessions.OpenSession` value (times, the
+end, and the log offsets of its completions; the bytes are kept in a
+:class:`~processors.payloads.PayloadCache` and read back from the log on a miss) → on ``session.ended``
+(once every input partition has been read up to that record) or at
 its deadline (a timer asks through the control topic) the builder named in the spec runs and the
 Trajectory is sent → when the broker has acknowledged it, a control record ``emitted`` deletes the
 session's entries and remembers its id in ``built`` (late or replayed records of a built session are
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,7 +36,6 @@ from processors.sessions import (
     OpenSession,
     SpecFacts,
     builder_name,
-    call_key,
     deadline,
     facts,
 )
@@ -66,7 +66,6 @@ class Record(Protocol):
 @dataclass
 class Tables:
     open: Table  # session id -> OpenSession
-    calls: Table  # call_key(session, n) -> CallRef of the completion record (partition, offset)
     specs: Table  # session id -> SpecFacts
     built: Table  # session id -> trajectory event id
 
@@ -85,13 +84,6 @@ class Outputs:
     highwater: Callable[[str, int], int | None]
     # Read completion records back from the log: (partition, offsets) -> {offset: value}, absent if gone.
     read_completions: Callable[[int, list[int]], Awaitable[dict[int, bytes]]]
-
-
-def _delete(table: Table, key: bytes) -> None:
-    try:
-        del table[key]
-    except KeyError:  # a dict in tests; the RocksDB store deletes a missing key silently
-        pass
 
 
 def _validate_completion(value: bytes) -> Completion:
@@ -141,48 +133,68 @@ class SessionAggregator:
 
     async def handle(self, record: Record) -> None:
         """Take one input record (any of the three input topics or the control topic)."""
-        self.counters["records"] += 1
-        if record.topic == self.control_topic:
-            await self._control(record)
-            return
-        self.progress.saw(record.topic, record.partition, record.offset, record.timestamp)
-        spec = self.registry.by_name(record.topic)
-        try:
-            envelope = peek(record.value, record.key, spec)
-            event = None if spec.topic is Topic.COMPLETIONS else decode_event(record.value, spec)
-        except EventDecodeError as exc:
-            await self._dead_letter(record, exc.error_type, exc.reason)
-            return
-        sid = envelope.session_id.encode()
-        if sid in self.t.built:
-            self.counters["late"] += 1  # a replay after a restart, or a record after the session was built
-            return
-        now = self.clock()
-        if isinstance(event, SessionSpec):
-            self.t.specs[sid] = SpecFacts.of(event, now).dumps()
-            return
-        raw = self.t.open.get(sid)
-        session = OpenSession.loads(raw) if raw is not None else OpenSession(record.partition, 0, now, now)
-        if spec.topic is Topic.COMPLETIONS:
-            if envelope.session_id in self.in_flight:
-                logger.warning("completion %s arrived after session %s was built; not in its trajectory",
-                               envelope.event_id, envelope.session_id)
-            self.payloads.put(record.partition, record.offset, record.value)  # type: ignore[arg-type]
-            self.t.calls[call_key(envelope.session_id, session.count)] = CallRef(record.partition,
-                                                                                 record.offset).dumps()
-            session = session.with_call(now)
-        elif isinstance(event, SessionEnded):
-            session = session.ended(EndFacts.of(event, record.timestamp), now)
-        else:
-            session = session.touched(now)
-        self._set_open(sid, session.dumps())
-        if session.end is not None:
-            if self._ready(session, now):
-                await self._build(envelope.session_id, session, partial=False)
+        await self.handle_batch((record,))
+
+    async def handle_batch(self, records: Sequence[Record]) -> None:
+        """Take a batch of input records, in the order the stream delivered them.
+
+        Each session the batch touches is read from the open table once and written back once, however
+        many of its records the batch holds (a table write is a changelog record: per record it was the
+        worker's largest cost). Sessions whose end is in and whose inputs are read up to it are built
+        after the batch. A control record is applied in its place, after the state before it is written.
+        """
+        touched: dict[bytes, OpenSession] = {}
+        partitions: set[int] = set()
+        for record in records:
+            self.counters["records"] += 1
+            if record.topic == self.control_topic:
+                await self._flush(touched)
+                await self._control(record)
+                continue
+            self.progress.saw(record.topic, record.partition, record.offset, record.timestamp)
+            partitions.add(record.partition)
+            spec = self.registry.by_name(record.topic)
+            try:
+                envelope = peek(record.value, record.key, spec)
+                event = None if spec.topic is Topic.COMPLETIONS else decode_event(record.value, spec)
+            except EventDecodeError as exc:
+                await self._dead_letter(record, exc.error_type, exc.reason)
+                continue
+            sid = envelope.session_id.encode()
+            if sid in self.t.built:
+                self.counters["late"] += 1  # a replay after a restart, or a record after the session was built
+                continue
+            now = self.clock()
+            if isinstance(event, SessionSpec):
+                self.t.specs[sid] = SpecFacts.of(event, now).dumps()
+                continue
+            session = touched.get(sid)
+            if session is None:
+                raw = self.t.open.get(sid)
+                session = OpenSession.loads(raw) if raw is not None else OpenSession(record.partition, (), now, now)
+            if spec.topic is Topic.COMPLETIONS:
+                if envelope.session_id in self.in_flight:
+                    logger.warning("completion %s arrived after session %s was built; not in its trajectory",
+                                   envelope.event_id, envelope.session_id)
+                self.payloads.put(record.partition, record.offset, record.value)  # type: ignore[arg-type]
+                session = session.with_call(record.offset, now)
+            elif isinstance(event, SessionEnded):
+                session = session.ended(EndFacts.of(event, record.timestamp), now)
+                self._waiting.setdefault(session.partition, {})[envelope.session_id] = session.end.record_ts
             else:
-                self._waiting.setdefault(record.partition, {})[envelope.session_id] = session.end.record_ts
-        if self._waiting.get(record.partition):
-            await self._build_waiting(record.partition, now)
+                session = session.touched(now)
+            touched[sid] = session
+        await self._flush(touched)
+        now = self.clock()
+        for partition in sorted(partitions):
+            if self._waiting.get(partition):
+                await self._build_waiting(partition, now)
+
+    async def _flush(self, touched: dict[bytes, OpenSession]) -> None:
+        """Write the sessions a batch changed, one table write each."""
+        for sid, session in touched.items():
+            self._set_open(sid, session.dumps())
+        touched.clear()
 
     async def _build_waiting(self, partition: int, now: float) -> None:
         waiting = self._waiting[partition]
@@ -230,14 +242,9 @@ class SessionAggregator:
         self.counters["partial"] += partial
         await self.out.send_trajectory(trajectory, session.partition)
 
-    def _refs(self, session_id: str, session: OpenSession) -> list[CallRef]:
-        """The session's completion records, each once (a re-delivered record has the same offset)."""
-        refs = (self.t.calls.get(call_key(session_id, n)) for n in range(session.count))
-        return list(dict.fromkeys(CallRef.loads(raw) for raw in refs if raw is not None))
-
     async def _payloads(self, session_id: str, session: OpenSession) -> dict[CallRef, bytes]:
         """Each completion record's value, from the cache or else read back from the log, in log order."""
-        refs = self._refs(session_id, session)
+        refs = session.calls
         values = {ref: self.payloads.get(ref.partition, ref.offset) for ref in refs}
         missing: dict[int, list[int]] = {}
         for ref, value in values.items():
@@ -280,8 +287,6 @@ class SessionAggregator:
             self.in_flight.discard(session_id)
             self.t.built[sid] = str(doc.get("event_id", "")).encode()
             if raw is not None:
-                for n in range(OpenSession.loads(raw).count):
-                    _delete(self.t.calls, call_key(session_id, n))  # no read first: pop() costs a get
                 del self.t.open[sid]
                 self._del_open(sid)
             self.t.specs.pop(sid, None)

@@ -16,9 +16,11 @@ import asyncio
 import logging
 import os
 import socket
+import weakref
 
 import faust
 import orjson
+from faust.streams import _current_event  # what Faust tables read a write's partition from
 from faust.types import TP
 
 from processors.aggregate import Outputs, SessionAggregator, Tables
@@ -80,7 +82,6 @@ def _table(name: str, help: str) -> faust.Table:
 
 tables = Tables(
     open=_table("open_sessions", "session id -> OpenSession (small)"),
-    calls=_table("session_calls", "(session id, n) -> CallRef: partition:offset of one completion record"),
     specs=_table("session_specs", "session id -> SpecFacts"),
     built=_table("built_sessions", "session id -> trajectory event id"),
 )
@@ -133,9 +134,28 @@ aggregator = SessionAggregator(
 
 @app.agent(inputs, concurrency=1)
 async def sessions(stream: faust.StreamT) -> None:
-    """Every input record, in partition order, one at a time (the single writer of the tables)."""
-    async for event in stream.events():
-        await aggregator.handle(event.message)
+    """Every input record, in partition order, in batches (the single writer of the tables).
+
+    A batch is whatever arrived within ``batch_ms`` (up to ``batch_records``): under load a session's
+    records share a batch and its table value is written once; when idle a record waits at most
+    ``batch_ms``. Offsets are acknowledged after the batch is handled.
+
+    Faust tables find the partition of a write (its RocksDB store and changelog partition) from the
+    current event, which a batch does not set: the batch is handled partition by partition, with one
+    of that partition's events made current. Every record on partition P of an input (and every
+    control record sent there) concerns sessions of partition P, so that is where their state belongs.
+    """
+    async for batch in stream.take_events(conf.batch_records, within=conf.batch_ms / 1000):
+        by_partition: dict[int, list[faust.EventT]] = {}
+        for event in batch:
+            by_partition.setdefault(event.message.partition, []).append(event)
+        try:
+            for events in by_partition.values():
+                # Only the context variable: the stream's own current_event belongs to its buffer filler.
+                _current_event.set(weakref.ref(events[-1]))
+                await aggregator.handle_batch([event.message for event in events])
+        finally:
+            _current_event.set(None)
 
 
 @app.timer(conf.tick_s)

@@ -1,10 +1,10 @@
 """Per-session state of the trajectory worker, as plain values: what is kept, when a session is due.
 
-The Faust app (processors/app.py) keeps, per open session, one small :class:`OpenSession` value (a
-counter, times, the end facts) and, under its own key ``(session, n)``, a :class:`CallRef` saying where
-each completion sits in the ``completions`` log (the bytes stay in the log, see processors/payloads.py):
-no table value grows with the session or holds a payload, so a table write never re-sends much to its
-changelog.
+The Faust app (processors/app.py) keeps, per open session, one small :class:`OpenSession` value: times,
+the end facts, and the offsets of its completion records in the ``completions`` log (the bytes stay in
+the log, see processors/payloads.py). A session's records all sit on one partition (they are keyed by
+session id), so an offset is all a completion needs: the value grows by a few bytes per call and never
+holds a payload or a token array, and the worker writes it once per session per batch of records.
 The spec's few fields the worker needs are kept apart (:class:`SpecFacts`), since a spec may arrive
 before or after the session's first event. Everything here is pure and tested without Kafka.
 """
@@ -20,11 +20,6 @@ from processors.builders import SessionFacts
 from schemas.sessions import FailureKind, SessionEnded, SessionSpec, SessionStatus
 
 DEFAULT_BUILDER = "prefix_merging"
-
-
-def call_key(session_id: str, n: int) -> bytes:
-    """The table key of a session's ``n``-th stored completion (NUL cannot occur in a session id's JSON)."""
-    return f"{session_id}\x00{n:08d}".encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,25 +81,34 @@ class OpenSession:
     """A session that has had events and is not built yet."""
 
     partition: int
-    count: int = 0  # CallRefs stored under call_key(session, 0..count-1); re-deliveries included
+    offsets: tuple[int, ...] = ()  # its completion records in the completions log, in arrival order
     first_seen: float = 0.0
     last_seen: float = 0.0
     end: EndFacts | None = None
 
     def dumps(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps({"partition": self.partition, "offsets": self.offsets, "first_seen": self.first_seen,
+                             "last_seen": self.last_seen, "end": asdict(self.end) if self.end else None})
 
     @classmethod
     def loads(cls, raw: bytes) -> OpenSession:
         data = orjson.loads(raw)
         end = data.pop("end")
-        return cls(**data, end=EndFacts(**end) if end else None)
+        return cls(data["partition"], tuple(data["offsets"]), data["first_seen"], data["last_seen"],
+                   EndFacts(**end) if end else None)
+
+    @property
+    def calls(self) -> list[CallRef]:
+        """Its completion records, each once (a re-delivered record has the same offset), in log order."""
+        return [CallRef(self.partition, offset) for offset in sorted(set(self.offsets))]
 
     def touched(self, now: float) -> OpenSession:
         return replace(self, last_seen=max(self.last_seen, now))
 
-    def with_call(self, now: float) -> OpenSession:
-        return replace(self, count=self.count + 1, last_seen=max(self.last_seen, now))
+    def with_call(self, offset: int, now: float) -> OpenSession:
+        if offset in self.offsets:  # re-delivered (a replay after a restart)
+            return self.touched(now)
+        return replace(self, offsets=(*self.offsets, offset), last_seen=max(self.last_seen, now))
 
     def ended(self, end: EndFacts, now: float) -> OpenSession:
         return replace(self, end=end, last_seen=max(self.last_seen, now))

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
+from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, delete_topics, ensure_topics
 from schemas.transport.settings import KafkaSettings
 
 
@@ -52,6 +52,7 @@ async def kafka(kafka_bootstrap: str) -> AsyncIterator[KafkaSettings]:
                              session_partitions=4, task_partitions=2)
     await ensure_topics(kafka_bootstrap, settings.registry(), settings.max_message_bytes)
     yield settings
+    await delete_topics(kafka_bootstrap, settings.topic_prefix)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """The worker's logic without Kafka: SessionAggregator over dict tables, the payload cache, CallRef.
 
 Completion payloads are not copied into tables (issue 5: a table write re-sends its value to the
-changelog); these tests pin what replaces them: one small CallRef per completion, the bytes from the
-cache, and the log read back by offset when the cache misses (after a restart), with the same trajectory.
+changelog); these tests pin what replaces them: the session's one small value holding the log offsets of
+its completions, the bytes from the cache, and the log read back by offset when the cache misses (after a
+restart), with the same trajectory; and a batch of records costs one table write per session.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from processors.aggregate import Outputs, SessionAggregator, Tables
 from processors.payloads import PayloadCache
-from processors.sessions import CallRef
+from processors.sessions import CallRef, OpenSession
 from schemas.codec import encode_event
 from schemas.topics import Topic, TopicRegistry
 from schemas.trajectories import Trajectory
@@ -62,13 +63,14 @@ def _aggregator(tables: Tables, kafka: FakeKafka, **kwargs: Any) -> SessionAggre
                              grace_s=30, settle_s=0, max_message_bytes=8 << 20, **kwargs)
 
 
-def _records(plan, kafka: FakeKafka) -> list[Rec]:
+def _records(plan, kafka: FakeKafka, offset_base: int = 0) -> list[Rec]:
     out, offsets = [], {}
     events = [e for e in (plan.spec, *plan.completions, plan.end) if e is not None]
     for ts, event in enumerate(events):
         topic = REGISTRY.name(event.topic)
-        offset = offsets.get(topic, 0)
-        offsets[topic] = kafka.ends[topic] = offset + 1
+        offset = offsets.get(topic, offset_base)
+        offsets[topic] = offset + 1
+        kafka.ends[topic] = max(kafka.ends.get(topic, 0), offset + 1)
         value = encode_event(event)
         if event.topic is Topic.COMPLETIONS:
             kafka.log[1, offset] = value
@@ -77,7 +79,7 @@ def _records(plan, kafka: FakeKafka) -> list[Rec]:
 
 
 def _tables() -> Tables:
-    return Tables(open={}, calls={}, specs={}, built={})
+    return Tables(open={}, specs={}, built={})
 
 
 async def test_tables_hold_small_refs_and_the_build_uses_the_cache() -> None:
@@ -88,8 +90,28 @@ async def test_tables_hold_small_refs_and_the_build_uses_the_cache() -> None:
         await aggregator.handle(record)
     assert [t.event_id for t in kafka.trajectories] == [expected(plan).event_id]
     assert kafka.reads == []  # everything came from the cache
-    assert len(tables.calls) == 4 and all(len(v) < 32 for v in tables.calls.values())
-    assert sorted(CallRef.loads(v).offset for v in tables.calls.values()) == [0, 1, 2, 3]
+
+
+async def test_a_batch_writes_each_session_once_with_offsets_only() -> None:
+    """Two sessions' records interleaved in one batch: one open-table write per session, holding offsets."""
+    plans = [linear_session(f"b{i}", turns=3, seed=20 + i, ended=False) for i in range(2)]
+    kafka = FakeKafka()
+    streams = [_records(plan, kafka, offset_base=100 * i) for i, plan in enumerate(plans)]
+    batch = [record for pair in zip(*streams) for record in pair]
+    writes: list[bytes] = []
+
+    class CountingDict(dict):
+        def __setitem__(self, key: bytes, value: bytes) -> None:
+            writes.append(key)
+            super().__setitem__(key, value)
+
+    tables = Tables(open=CountingDict(), specs={}, built={})
+    await _aggregator(tables, kafka).handle_batch(batch)
+    assert sorted(writes) == [b"b0", b"b1"]
+    for i, sid in enumerate((b"b0", b"b1")):
+        raw = tables.open[sid]
+        assert len(raw) < 200  # offsets, never payloads
+        assert OpenSession.loads(raw).offsets == tuple(100 * i + n for n in range(3))
 
 
 async def test_a_restart_reads_payloads_back_from_the_log() -> None:
