@@ -12,11 +12,11 @@ import base64
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
 from schemas.codec import EventDecodeError, decode_event
@@ -73,7 +73,8 @@ class EventConsumer:
 
     def __init__(self, settings: KafkaSettings, topics: Sequence[Topic], *, group_id: str | None,
                  service: str = "rollwire", from_beginning: bool = True,
-                 dedupe_window: int = DEFAULT_DEDUPE_WINDOW, dead_letters: bool = True) -> None:
+                 dedupe_window: int = DEFAULT_DEDUPE_WINDOW, dead_letters: bool = True,
+                 listener: ConsumerRebalanceListener | None = None) -> None:
         if not topics:
             raise ValueError("EventConsumer needs at least one topic")
         if Topic.DEAD_LETTER in topics and dead_letters:
@@ -94,6 +95,10 @@ class EventConsumer:
             fetch_max_bytes=max(settings.fetch_bytes, 50 * 1024 * 1024),
             request_timeout_ms=settings.kafka_request_timeout_ms + 10_000,
         )
+        if listener is not None:
+            # A group member that tracks its own offsets per partition (the gateway node) hears about
+            # assignments and revocations; subscribing again replaces the constructor's subscription.
+            self._consumer.subscribe(list(self._specs), listener=listener)
         self._dead_letter_producer = EventProducer(settings, service=f"{service}-dlq") if dead_letters else None
         self._seen = _SeenIds(dedupe_window)
         self._started = False
@@ -137,14 +142,20 @@ class EventConsumer:
         if getattr(self, "_started", False) and not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {type(self).__name__}: call stop()", ResourceWarning, stacklevel=1)
 
-    async def commit(self) -> None:
-        """Commit the offsets of everything received so far (call after processing it)."""
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        """Commit the offsets of everything received so far (call after processing it), or, with
+        ``offsets``, exactly those positions (the next offset to read, per assigned partition)."""
         if self.group_id is None:
             return
         try:
-            await self._consumer.commit()
+            await self._consumer.commit(dict(offsets) if offsets is not None else None)
         except KafkaError as exc:
             raise TransportError(f"commit failed for group {self.group_id}: {exc!r}") from exc
+
+    async def positions(self) -> dict[TopicPartition, int]:
+        """The next offset to be read, per assigned partition: everything before it was handed out or
+        dead-lettered (a caller committing per partition may move its commit up to it)."""
+        return {tp: await self._consumer.position(tp) for tp in self._consumer.assignment()}
 
     async def lag(self) -> int:
         """Records between this consumer's positions and the ends of its assigned partitions."""
