@@ -38,3 +38,8 @@ class Group(Event):
     baseline_mean: float | None = None
     baseline_std: float | None = None
     complete: bool = Field(default=True, description="False when emitted at a deadline with samples missing.")
+    # Added for issue 7 (processors/groups): how the advantages were computed and whether they carry signal.
+    no_signal: bool = Field(default=False, description=(
+        "All baseline rewards equal (or fewer than two): every advantage is 0, no gradient signal."))
+    evaluator: str | None = Field(default=None, description="Evaluator whose rewards the group uses.")
+    estimator: Literal["grpo", "leave_one_out"] | None = Field(default=None, description="Advantage estimator.")

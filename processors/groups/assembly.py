@@ -1,0 +1,211 @@
+"""Assembling a task's group: per-task state as plain values, facts in, a Group out (no Faust in here).
+
+The groups worker (processors/groups/app.py) keeps one :class:`TaskState` per task, keyed by task id, in a
+table co-partitioned with ``tasks``. Into it go: the task (from ``task.accepted``: session ids, sample
+count, deadline, evaluator), and per session the facts the worker's first stage forwards from
+``trajectories`` and ``evaluations`` (:func:`trajectory_fact`, :func:`evaluation_fact`: a few fields, never
+the token arrays). A sample is *in* when its trajectory is there and either the session failed (its reward
+cannot matter: see advantages.py) or the task's evaluator has scored it. The group is emitted when every
+sample is in, or at the deadline when at least ``min_fraction`` are (``complete: false``; the samples not
+in are flagged as infrastructure failures, advantage None, so a trainer can resubmit them).
+
+The group's event id depends only on the task id: whatever replays, restarts or deadline races make the
+worker emit a task's group twice, readers see one event id and keep one group.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from processors.groups.advantages import Estimator, SampleOutcome, compute_advantages
+from schemas.groups import Group
+from schemas.sessions import FailureKind, SessionStatus
+from schemas.tasks import TaskAccepted
+
+_GROUP_NAMESPACE = uuid.UUID("0f5c3e0a-57a4-4d0e-8a8e-6c1b7f6d2e11")
+
+
+def group_event_id(task_id: str) -> str:
+    """The one event id a task's group ever has."""
+    return uuid.uuid5(_GROUP_NAMESPACE, f"group\x00{task_id}").hex
+
+
+class FactError(ValueError):
+    """A record's document lacks what a fact needs (the record is dead-lettered)."""
+
+
+def _text(document: dict[str, Any], name: str, *, required: bool = True) -> str | None:
+    value = document.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise FactError(f"{name} is missing or not a non-empty string")
+    return value
+
+
+def trajectory_fact(document: dict[str, Any]) -> dict[str, Any]:
+    """What a group needs from a trajectory document (envelope already checked)."""
+    status = document.get("session_status")
+    failure = document.get("failure")
+    if status is not None and status not in {s.value for s in SessionStatus}:
+        raise FactError(f"session_status {status!r} is not a session status")
+    if failure is not None and failure not in {f.value for f in FailureKind}:
+        raise FactError(f"failure {failure!r} is not a failure kind")
+    return {"kind": "trajectory", "session_id": _text(document, "session_id"), "task_id": _text(document, "task_id",
+            required=False), "event_id": _text(document, "event_id"), "status": status, "failure": failure,
+            "partial": bool(document.get("partial", False)), "policy_version": document.get("policy_version")}
+
+
+def evaluation_fact(document: dict[str, Any]) -> dict[str, Any]:
+    """What a group needs from an evaluation document (envelope already checked)."""
+    status = document.get("status", "ok")
+    reward = document.get("reward")
+    if status not in ("ok", "error"):
+        raise FactError(f"status {status!r} is not 'ok' or 'error'")
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        raise FactError(f"reward {reward!r} is not a number")
+    if status == "ok" and reward is None:
+        raise FactError("an 'ok' evaluation without a reward")
+    return {"kind": "evaluation", "session_id": _text(document, "session_id"),
+            "task_id": _text(document, "task_id", required=False), "event_id": _text(document, "event_id"),
+            "evaluator": _text(document, "evaluator"), "status": status,
+            "reward": float(reward) if reward is not None else None}
+
+
+@dataclass(slots=True)
+class TaskFacts:
+    """The task as accepted: its sessions, deadline (epoch seconds) and reward evaluator."""
+
+    task_id: str
+    session_ids: list[str]
+    num_samples: int
+    deadline_at: float
+    evaluator: str | None
+    group_id: str | None
+    policy_version: str | None
+
+    @classmethod
+    def of(cls, accepted: TaskAccepted, grace_s: float) -> TaskFacts:
+        request = accepted.request
+        return cls(accepted.task_id, list(accepted.session_ids), request.num_samples,
+                   accepted.occurred_at.timestamp() + request.timeout_s + grace_s,
+                   request.evaluator.name if request.evaluator else None, request.group_id, request.policy_version)
+
+
+class State(str, enum.Enum):
+    OPEN = "open"
+    EMITTED = "emitted"
+    ABANDONED = "abandoned"
+
+
+@dataclass(slots=True)
+class TaskState:
+    """Everything the worker holds for one task (a few hundred bytes per sample)."""
+
+    task: TaskFacts | None = None
+    trajectories: dict[str, dict[str, Any]] = field(default_factory=dict)  # session id -> trajectory fact
+    evaluations: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # session -> evaluator -> fact
+    state: State = State.OPEN
+    group_event_id: str | None = None
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, raw: bytes) -> TaskState:
+        data = orjson.loads(raw)
+        task = TaskFacts(**data["task"]) if data.get("task") else None
+        return cls(task, data.get("trajectories", {}), data.get("evaluations", {}), State(data["state"]),
+                   data.get("group_event_id"))
+
+    def closed(self) -> TaskState:
+        """What is kept after emission or abandonment: the verdict only (late facts are then ignored)."""
+        return TaskState(None, {}, {}, self.state, self.group_event_id)
+
+    def add(self, fact: dict[str, Any]) -> bool:
+        """Take a trajectory or evaluation fact in; False if the task is closed (a late fact)."""
+        if self.state is not State.OPEN:
+            return False
+        session_id = fact["session_id"]
+        if fact["kind"] == "trajectory":
+            self.trajectories[session_id] = fact
+        elif fact["kind"] == "evaluation":
+            self.evaluations.setdefault(session_id, {})[fact["evaluator"]] = fact
+        else:
+            raise FactError(f"unknown fact kind {fact['kind']!r}")
+        return True
+
+    def evaluator(self, default: str) -> str:
+        """Whose rewards count: the task's evaluator, else the worker's default."""
+        return (self.task.evaluator if self.task else None) or default
+
+    def outcome(self, session_id: str, evaluator: str) -> SampleOutcome:
+        """The sample as it stands (missing parts marked missing)."""
+        trajectory = self.trajectories.get(session_id)
+        evaluation = self.evaluations.get(session_id, {}).get(evaluator)
+        if trajectory is None:
+            return SampleOutcome(session_id, reward=evaluation["reward"] if evaluation else None, missing=True)
+        status = SessionStatus(trajectory["status"]) if trajectory["status"] else None
+        failure = FailureKind(trajectory["failure"]) if trajectory["failure"] else None
+        return SampleOutcome(
+            session_id, reward=evaluation["reward"] if evaluation else None, status=status, failure=failure,
+            trajectory_id=trajectory["event_id"], partial=trajectory["partial"],
+            evaluation_error=evaluation is not None and evaluation["status"] == "error",
+            # A scoreable session the evaluator has not answered for: not in (yet).
+            missing=evaluation is None and status is SessionStatus.COMPLETED and failure is None
+            and not trajectory["partial"])
+
+    def is_in(self, session_id: str, evaluator: str) -> bool:
+        """Whether the sample's facts are complete (see the module docstring)."""
+        return not self.outcome(session_id, evaluator).missing
+
+    def count_in(self, evaluator: str) -> int:
+        assert self.task is not None
+        return sum(self.is_in(s, evaluator) for s in self.task.session_ids)
+
+    def all_in(self, evaluator: str) -> bool:
+        return self.task is not None and self.count_in(evaluator) == len(self.task.session_ids)
+
+
+def decide(state: TaskState, *, now: float, default_evaluator: str, min_fraction: float, abandon_s: float,
+           not_before: float) -> State | None:
+    """What to do with an open task now: EMITTED (emit its group), ABANDONED (drop it) or None (wait).
+
+    ``not_before``: no deadline fires before it (after a restart, the log is replayed first).
+    """
+    if state.state is not State.OPEN or state.task is None:
+        return None
+    evaluator = state.evaluator(default_evaluator)
+    if state.all_in(evaluator):
+        return State.EMITTED
+    if now < max(state.task.deadline_at, not_before):
+        return None
+    if state.count_in(evaluator) >= max(1e-9, min_fraction) * len(state.task.session_ids):
+        return State.EMITTED
+    if now >= max(state.task.deadline_at + abandon_s, not_before):
+        return State.ABANDONED
+    return None
+
+
+def build_group(state: TaskState, *, default_evaluator: str, estimator: Estimator, eps: float) -> Group:
+    """The task's Group event from its state (every session of the task, in the task's order)."""
+    task = state.task
+    assert task is not None, "a group needs its task"
+    evaluator = state.evaluator(default_evaluator)
+    outcomes = [state.outcome(session_id, evaluator) for session_id in task.session_ids]
+    result = compute_advantages(outcomes, estimator=estimator, eps=eps)
+    policy = task.policy_version or next(
+        (t["policy_version"] for t in state.trajectories.values() if t.get("policy_version")), None)
+    return Group(event_id=group_event_id(task.task_id), task_id=task.task_id, group_id=task.group_id,
+                 policy_version=policy, samples=result.samples, baseline_mean=result.baseline_mean,
+                 baseline_std=result.baseline_std, complete=not any(o.missing for o in outcomes),
+                 no_signal=result.no_signal, evaluator=evaluator, estimator=estimator)
+
+
+__all__ = ["FactError", "State", "TaskFacts", "TaskState", "build_group", "decide", "evaluation_fact",
+           "group_event_id", "trajectory_fact"]

@@ -1,0 +1,127 @@
+"""The groups worker's logic without Kafka: when a task's group is due, and what goes into it.
+
+These pin the rules the worker test can only show once each: the deadline fraction, abandonment, the
+restart delay, late facts after emission, and a sample whose evaluation never came (flagged, not zero).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from processors.groups.assembly import (
+    FactError,
+    State,
+    TaskFacts,
+    TaskState,
+    build_group,
+    decide,
+    evaluation_fact,
+    group_event_id,
+    trajectory_fact,
+)
+from schemas.sessions import FailureKind
+
+T0 = 1_000_000.0
+
+
+def task_state(n: int = 4, deadline_at: float = T0 + 100) -> TaskState:
+    return TaskState(TaskFacts("t", [f"s{i}" for i in range(n)], n, deadline_at, "tests", "g", "v1"))
+
+
+def traj(session_id: str, status: str = "completed", failure: str | None = None, partial: bool = False) -> dict:
+    return trajectory_fact({"event_id": f"tr-{session_id}", "session_id": session_id, "task_id": "t",
+                            "session_status": status, "failure": failure, "partial": partial})
+
+
+def ev(session_id: str, reward: float | None, evaluator: str = "tests", status: str = "ok") -> dict:
+    return evaluation_fact({"event_id": f"ev-{session_id}-{evaluator}", "session_id": session_id, "task_id": "t",
+                            "evaluator": evaluator, "status": status, "reward": reward})
+
+
+def decide_at(state: TaskState, now: float, *, min_fraction: float = 0.5, not_before: float = 0.0) -> State | None:
+    return decide(state, now=now, default_evaluator="session_completed", min_fraction=min_fraction,
+                  abandon_s=500, not_before=not_before)
+
+
+def test_all_in_emits_at_once_and_only_the_tasks_evaluator_counts() -> None:
+    state = task_state(2)
+    for fact in (traj("s0"), ev("s0", 1.0), traj("s1"), ev("s1", 0.0, evaluator="session_completed")):
+        state.add(fact)
+    assert decide_at(state, T0) is None  # s1 has no `tests` evaluation yet
+    state.add(ev("s1", 0.0))
+    assert decide_at(state, T0) is State.EMITTED
+
+
+def test_failed_sessions_need_no_evaluation() -> None:
+    state = task_state(2)
+    state.add(traj("s0", "timeout", "policy"))
+    state.add(traj("s1", "error", "infrastructure"))
+    assert decide_at(state, T0) is State.EMITTED
+
+
+def test_deadline_fraction_and_abandonment() -> None:
+    state = task_state(4)
+    state.add(traj("s0"))
+    state.add(ev("s0", 1.0))
+    assert decide_at(state, T0 + 99) is None
+    assert decide_at(state, T0 + 101) is None  # 1 of 4 < 0.5
+    assert decide_at(state, T0 + 101, min_fraction=0.25) is State.EMITTED
+    assert decide_at(state, T0 + 601) is State.ABANDONED
+    state.add(traj("s1", "error", "policy"))
+    assert decide_at(state, T0 + 101) is State.EMITTED  # 2 of 4
+    # After a restart, no deadline fires before the log has had time to replay.
+    assert decide_at(state, T0 + 101, not_before=T0 + 200) is None
+
+
+def test_a_closed_task_ignores_late_facts_and_keeps_only_its_verdict() -> None:
+    state = task_state(1)
+    state.add(traj("s0"))
+    state.state, state.group_event_id = State.EMITTED, group_event_id("t")
+    closed = TaskState.loads(state.closed().dumps())
+    assert closed.state is State.EMITTED and closed.task is None and closed.trajectories == {}
+    assert closed.add(ev("s0", 1.0)) is False
+    assert decide_at(closed, T0 + 10_000) is None
+
+
+def test_group_at_deadline_flags_what_is_missing() -> None:
+    state = task_state(4)
+    state.add(traj("s0")), state.add(ev("s0", 1.0))
+    state.add(traj("s1")), state.add(ev("s1", 0.0))
+    state.add(traj("s2"))  # completed, but the evaluator never answered
+    state.add(ev("s3", 1.0))  # an evaluation without its trajectory
+    state = TaskState.loads(state.dumps())
+    group = build_group(state, default_evaluator="x", estimator="leave_one_out", eps=1e-6)
+    assert group.event_id == group_event_id("t") and group.task_id == "t" and group.group_id == "g"
+    assert not group.complete and group.evaluator == "tests" and group.estimator == "leave_one_out"
+    assert [s.advantage for s in group.samples] == [1.0, -1.0, None, None]
+    assert group.samples[2].trajectory_id == "tr-s2" and group.samples[2].failure is FailureKind.INFRASTRUCTURE
+    assert group.samples[3].trajectory_id is None
+
+
+def test_an_errored_evaluation_is_a_failed_sample() -> None:
+    state = task_state(3)
+    for i, reward in enumerate([1.0, 0.0]):
+        state.add(traj(f"s{i}")), state.add(ev(f"s{i}", reward))
+    state.add(traj("s2"))
+    state.add(evaluation_fact({"event_id": "e", "session_id": "s2", "evaluator": "tests", "status": "error",
+                               "error": "docker died"}))
+    assert decide_at(state, T0) is State.EMITTED
+    group = build_group(state, default_evaluator="x", estimator="grpo", eps=0.0)
+    assert group.samples[2].advantage == 0.0 and not group.samples[2].in_baseline
+
+
+@pytest.mark.parametrize("document", [
+    {"event_id": "e", "session_id": "s", "session_status": "exploded"},
+    {"event_id": "e", "session_id": "s", "failure": "cosmic rays"},
+    {"session_id": "s"},
+])
+def test_bad_trajectory_documents_are_refused(document: dict) -> None:
+    with pytest.raises(FactError):
+        trajectory_fact(document)
+
+
+def test_bad_evaluation_documents_are_refused() -> None:
+    with pytest.raises(FactError, match="reward"):
+        evaluation_fact({"event_id": "e", "session_id": "s", "evaluator": "tests", "reward": "1"})
+    with pytest.raises(FactError, match="without a reward"):
+        evaluation_fact({"event_id": "e", "session_id": "s", "evaluator": "tests"})
