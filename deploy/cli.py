@@ -21,11 +21,13 @@ from deploy.services import ServiceProcess
 from processors.cli import rebuild as processors_rebuild
 from processors.cli import run as processors_run
 from processors.settings import ProcessorSettings
+from producers.gateway.cli import gateway_node
 from proxy.cli import run as proxy_run
 from proxy.cli import session_app
 from proxy.settings import ProxySettings
 from schemas.cli import app as schemas_app
 from schemas.transport.settings import KafkaSettings
+from sinks.export import export_sft
 
 app = typer.Typer(help="rollwire: record coding-agent harnesses token for token, as RL training data.",
                   no_args_is_help=True, add_completion=False)
@@ -34,6 +36,20 @@ app.add_typer(session_app, name="session")
 app.command("proxy", help="Run the gateway proxy in the foreground.")(proxy_run)
 app.command("processors", help="Run a trajectory worker (Faust) in the foreground.")(processors_run)
 app.command("rebuild", help="Re-derive trajectories from the log with a builder, to a topic.")(processors_rebuild)
+app.command("export-sft", help="Build the SFT dataset (JSONL, Parquet, acceptance stats) from the log.")(export_sft)
+app.command("gateway-node", help="Run a gateway node (sessions → harness runs) in the foreground.")(gateway_node)
+# Rollouts (issue 6): the rollout server, submitting a tasks file, and the main job.
+from producers.rollout import cli as rollout_cli  # noqa: E402
+
+app.command("rollout-server", help="Run the rollout server in the foreground.")(rollout_cli.rollout_server)
+app.command("submit", help="Submit a tasks file (JSON Lines) to the rollout server.")(rollout_cli.submit)
+app.command("rollout", help="Run a tasks file end to end: bring up the stack, run, summarize.")(rollout_cli.rollout)
+# Issue 7: evaluators and the groups worker (processors/evaluators, processors/groups).
+from processors.evaluators.cli import app as evaluator_app  # noqa: E402
+from processors.groups.cli import run as groups_run  # noqa: E402
+
+app.add_typer(evaluator_app, name="evaluator")
+app.command("groups", help="Run a groups worker (Faust): trajectories + evaluations -> GRPO groups.")(groups_run)
 
 # Harness prompts run to ~16k tokens; the tiny model's KV cache holds 64k at 64 MiB.
 DEFAULT_ENGINE_MAX_MODEL_LEN = 32768

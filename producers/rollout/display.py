@@ -1,0 +1,137 @@
+"""What the main job shows: live progress (sessions by stage, completions recorded) and the summary table.
+
+Everything here renders :class:`~schemas.rollouts.TaskStatus` views (as the rollout server serves them)
+with ``rich``; nothing reads Kafka or HTTP, so the same tables can be built from hand-written events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from statistics import mean
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from schemas.rollouts import SessionStatusView, TaskState, TaskStatus
+from schemas.sessions import FailureKind, SessionStage, SessionStatus
+
+STAGES: tuple[str, ...] = tuple(stage.value for stage in SessionStage)
+TIMED_STAGES: tuple[str, ...] = ("init", "ready", "running", "post_run", "teardown")
+
+
+def _sessions(statuses: Sequence[TaskStatus]) -> list[SessionStatusView]:
+    return [s for status in statuses for s in status.sessions]
+
+
+def stage_counts(statuses: Sequence[TaskStatus]) -> dict[str, int]:
+    """Sessions per stage (running sessions) and per end status (ended ones), over all tasks."""
+    counts = {stage: 0 for stage in STAGES}
+    for s in _sessions(statuses):
+        key = s.status.value if s.status is not None else s.stage.value
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def progress_line(statuses: Sequence[TaskStatus], elapsed_s: float) -> str:
+    """One line: elapsed time, sessions per stage, completions, trajectories, tasks done."""
+    counts = stage_counts(statuses)
+    sessions = _sessions(statuses)
+    parts = [f"{k}={v}" for k, v in counts.items() if v]
+    done = sum(1 for t in statuses if t.state == TaskState.DONE)
+    return (f"[{elapsed_s:6.0f}s] sessions {len(sessions)}: {' '.join(parts) or '-'} | completions="
+            f"{sum(s.completions for s in sessions)} trajectories={sum(1 for s in sessions if s.trajectory_id)} "
+            f"| tasks done {done}/{len(statuses)}")
+
+
+def progress_table(statuses: Sequence[TaskStatus], elapsed_s: float) -> Table:
+    """The live view: one row per task with its sessions by stage, completions and state."""
+    table = Table(title=f"rollout — {elapsed_s:.0f} s", title_justify="left", expand=False)
+    table.add_column("task")
+    table.add_column("state")
+    for stage in STAGES:
+        table.add_column(stage.replace("_", "-"), justify="right")
+    table.add_column("ended", justify="right")
+    table.add_column("completions", justify="right")
+    table.add_column("trajectories", justify="right")
+    for status in statuses:
+        running = [s for s in status.sessions if not s.ended]
+        by_stage = {stage: sum(1 for s in running if s.stage.value == stage) for stage in STAGES}
+        table.add_row(status.task_id, status.state.value, *(str(by_stage[s] or "") for s in STAGES),
+                      f"{sum(1 for s in status.sessions if s.ended)}/{status.num_samples}",
+                      str(sum(s.completions for s in status.sessions)),
+                      str(sum(1 for s in status.sessions if s.trajectory_id)))
+    return table
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _mean_stage_time(sessions: Sequence[SessionStatusView], stage: str) -> float | None:
+    values = [s.timings[stage] for s in sessions if stage in s.timings]
+    return mean(values) if values else None
+
+
+def summary_table(statuses: Sequence[TaskStatus]) -> Table:
+    """The final table: per task and in total, sessions by outcome, completions, trajectories, rewards
+    (where an evaluator ran) and mean seconds per stage."""
+    table = Table(title="rollout summary", title_justify="left")
+    table.add_column("task", no_wrap=True)
+    for name in ("sessions", "completed", "failed\npolicy", "failed\ninfra", "not\nended", "completions",
+                 "trajectories", "reward\n(mean, n)", "passed"):
+        table.add_column(name, justify="right")
+    for stage in TIMED_STAGES:
+        table.add_column(f"{stage.replace('_', '-')}\ns (mean)", justify="right")
+    rows = [(status.task_id, status.sessions, status.evaluator) for status in statuses]
+    if len(statuses) > 1:
+        rows.append(("total", _sessions(statuses), next((s.evaluator for s in statuses if s.evaluator), None)))
+    for index, (name, sessions, evaluator) in enumerate(rows):
+        if index == len(statuses) and index:
+            table.add_section()
+        rewards = [s.reward for s in sessions if s.reward is not None]
+        verdicts = [e.passed for s in sessions for e in s.evaluations
+                    if e.evaluator == evaluator and e.passed is not None]
+        table.add_row(
+            name, str(len(sessions)),
+            str(sum(1 for s in sessions if s.status == SessionStatus.COMPLETED)),
+            str(sum(1 for s in sessions if s.ended and s.status != SessionStatus.COMPLETED
+                    and s.failure != FailureKind.INFRASTRUCTURE)),
+            str(sum(1 for s in sessions if s.failure == FailureKind.INFRASTRUCTURE)),
+            str(sum(1 for s in sessions if not s.ended)),
+            str(sum(s.completions for s in sessions)),
+            str(sum(1 for s in sessions if s.trajectory_id)),
+            (_fmt(mean(rewards)) + f" ({len(rewards)})") if rewards else ("-" if evaluator else "none"),
+            f"{sum(verdicts)}/{len(verdicts)}" if verdicts else "-",
+            *(_fmt(_mean_stage_time(sessions, stage), 1) for stage in TIMED_STAGES),
+        )
+    return table
+
+
+def failures_table(statuses: Sequence[TaskStatus]) -> Table | None:
+    """Sessions that did not complete, with why; None when every session completed."""
+    failed = [s for s in _sessions(statuses) if s.status != SessionStatus.COMPLETED]
+    if not failed:
+        return None
+    table = Table(title="sessions that did not complete", title_justify="left")
+    for name in ("session", "status", "failure", "exit", "reason"):
+        table.add_column(name)
+    for s in failed:
+        table.add_row(s.session_id, s.status.value if s.status else f"not ended ({s.stage.value})",
+                      s.failure.value if s.failure else "-", "-" if s.exit_code is None else str(s.exit_code),
+                      (s.reason or "-")[:160])
+    return table
+
+
+def outputs(topics: dict[str, str], server_url: str, task_ids: Sequence[str], files: Sequence[str]) -> Group:
+    """Where the outputs are: topics, the server's result URLs, files that sinks wrote."""
+    lines = [Text("outputs", style="bold")]
+    for label, name in topics.items():
+        lines.append(Text(f"  topic {label:<15} {name}"))
+    for task_id in task_ids:
+        lines.append(Text(f"  result {server_url}/v1/tasks/{task_id}/result"))
+    for path in files:
+        lines.append(Text(f"  file {path}"))
+    if not files:
+        lines.append(Text("  files: none written by sinks during this run"))
+    return Group(*lines)

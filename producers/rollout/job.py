@@ -1,0 +1,483 @@
+"""The main job, ``rollwire rollout tasks.jsonl --harness H --samples N``: bring up what is not running,
+submit the tasks, show live progress, and end with a summary table and where the outputs are.
+
+What it brings up, in order, each only if nothing answers where it should already: the Kafka broker and
+its topics, the engine (embedded vLLM CPU, or ``ROLLWIRE_ENGINE_URL``), the proxy, a trajectory worker
+(processors), the rollout server, a gateway node (``rollwire gateway-node``) and, for each evaluator the
+tasks name, ``rollwire evaluator run NAME``; a command this build does not have is reported as skipped.
+A configured port that something else holds is replaced by a free one (ports: ``--proxy-port``,
+``--server-port``, ``ROLLWIRE_PROCESSORS_PORT``, ``ROLLWIRE_GATEWAY_PORT``).
+
+Afterwards the base stack (broker, engine, proxy, processors) keeps running, as after ``rollwire up``
+(``rollwire down`` stops it); the rollout server, gateway node and evaluators that the job started are
+stopped unless ``--keep-services``.
+
+Task ids get a per-run suffix (``{task_id}-r{run}``) so that a tasks file can be run again (a task id is
+accepted once). Exit code: 0 when every session ended and none failed for infrastructure reasons; 1
+when some did (or had not ended when the job gave up waiting); 2 when the stack could not be brought
+up, or a task line was bad or refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+
+from producers.rollout.display import failures_table, outputs, progress_line, progress_table, summary_table
+from producers.rollout.settings import RolloutServerSettings
+from producers.rollout.taskfile import BadLine, Overrides, load_tasks, post_task
+from schemas.rollouts import TaskState, TaskStatus, TaskSubmitted
+from schemas.sessions import FailureKind
+from schemas.topics import Topic
+from schemas.transport.settings import KafkaSettings
+
+POLL_S = 1.0
+TRAJECTORY_WAIT_S = 120.0
+"""After the tasks are done, how long to wait for trajectories of sessions that made model calls."""
+
+
+class JobSetupError(Exception):
+    """The stack could not be brought up, or no task could be submitted."""
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    tasks_file: Path
+    harness: str | None = None
+    samples: int | None = None
+    timeout_s: float | None = None
+    proxy_port: int | None = None
+    server_port: int | None = None
+    keep_services: bool = False
+    live: bool = True
+
+
+# ---- ports and detached commands ----------------------------------------------------------------------
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _has_command(*path: str) -> bool:
+    """Whether `rollwire <path...>` exists in this build (other packages register their commands)."""
+    import typer.main
+
+    from deploy.cli import app
+
+    command = typer.main.get_command(app)
+    for name in path:
+        commands = getattr(command, "commands", None)
+        if not commands or name not in commands:
+            return False
+        command = commands[name]
+    return True
+
+
+@dataclass
+class Detached:
+    """A `rollwire` command without a health URL, run in the background (pid file and log under
+    ``$ROLLWIRE_HOME/<name>/``); it counts as up once it has stayed alive for ``settle_s``."""
+
+    name: str
+    args: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    home: Path = field(default_factory=lambda: Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser())
+
+    @property
+    def pid_file(self) -> Path:
+        return self.home / self.name / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / self.name / f"{self.name}.log"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        return pid if b"deploy.cli" in cmdline else None
+
+    def start(self, settle_s: float = 3.0) -> None:
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_file.open("ab") as log:
+            process = subprocess.Popen([sys.executable, "-m", "deploy.cli", *self.args], stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env={**os.environ, **self.env}, start_new_session=True)
+        self.pid_file.write_text(str(process.pid))
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-15:])
+                self.pid_file.unlink(missing_ok=True)
+                raise JobSetupError(f"{self.name} exited with code {process.returncode}:\n{tail}")
+            time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 15) -> None:
+        pid = self.pid()
+        if pid is not None:
+            os.killpg(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while self.pid() is not None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.pid() is not None:
+                os.killpg(pid, signal.SIGKILL)
+        self.pid_file.unlink(missing_ok=True)
+
+
+# ---- the stack ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    """Brings up the parts that are not running; remembers what it started."""
+
+    console: Console
+    options: JobOptions
+    kafka: KafkaSettings | None = None
+    proxy_url: str = ""
+    server_url: str = ""
+    started: list[object] = field(default_factory=list)
+    """The job-specific processes this job started (rollout server, gateway node, evaluators)."""
+
+    def _say(self, part: str, state: str, detail: str = "") -> None:
+        colour = {"reused": "cyan", "started": "green", "skipped": "yellow"}.get(state, "white")
+        self.console.print(f"  {part:<16} [{colour}]{state}[/{colour}] {detail}")
+
+    def _pick_port(self, part: str, host: str, port: int, health_path: str, env_var: str,
+                   explicit: int | None) -> tuple[int, bool]:
+        """(port, already running): reuse what answers on the port; else use it if free, else a free one."""
+        if explicit is not None:
+            port = explicit
+        if _answers(f"http://{host}:{port}{health_path}"):
+            return port, True
+        if not _port_free(host, port):
+            taken, port = port, _free_port(host)
+            self._say(part, "note", f"port {taken} is held by something else; using {port}")
+        os.environ[env_var] = str(port)  # the service's settings and its children read it
+        return port, False
+
+    def up(self, evaluators: set[str]) -> None:
+        from deploy import cli as deploy_cli
+        from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
+        from deploy.services import ServiceProcess
+        from processors.settings import ProcessorSettings
+        from proxy.settings import ProxySettings
+
+        self.console.print("[bold]stack[/bold]")
+        config = KafkaConfig.from_env()
+        kafka = deploy_cli._local_broker_settings(config)
+        if broker_answers(kafka.kafka_bootstrap):
+            self._say("kafka", "reused", kafka.kafka_bootstrap)
+        elif kafka.kafka_bootstrap == config.bootstrap:
+            KafkaBroker(config).start(timeout_s=300)
+            self._say("kafka", "started", kafka.kafka_bootstrap)
+        else:
+            raise JobSetupError(f"no Kafka answers at ROLLWIRE_KAFKA_BOOTSTRAP={kafka.kafka_bootstrap}")
+        os.environ["ROLLWIRE_KAFKA_BOOTSTRAP"] = kafka.kafka_bootstrap
+        created = asyncio.run(ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes))
+        self._say("topics", "started" if created else "reused",
+                  f"prefix {kafka.topic_prefix!r}" + (f", {len(created)} created" if created else ""))
+        self.kafka = kafka
+
+        engine_url = deploy_cli._engine_url()
+        if engine_url is not None:
+            if not _answers(f"{engine_url.rstrip('/')}/v1/models"):
+                raise JobSetupError(f"the engine at ROLLWIRE_ENGINE_URL={engine_url} does not answer /v1/models")
+            self._say("engine", "reused", engine_url)
+        else:
+            from deploy.engine.server import VllmServer, engine_ready
+
+            server = VllmServer(deploy_cli._engine_config())
+            if engine_ready(server.url, server.config.served_model_name):
+                self._say("engine", "reused", server.url)
+            else:
+                self.console.print("  engine           starting (the first start installs vLLM's CPU build)…")
+                server.start(timeout_s=1800)
+                self._say("engine", "started", server.url)
+            engine_url = server.url
+
+        proxy = ProxySettings()
+        port, running = self._pick_port("proxy", proxy.proxy_host, proxy.proxy_port, "/health",
+                                        "ROLLWIRE_PROXY_PORT", self.options.proxy_port)
+        proxy = ProxySettings()
+        self.proxy_url = proxy.public_url
+        if running:
+            self._say("proxy", "reused", self.proxy_url)
+        else:
+            deploy_cli._proxy_service(kafka, engine_url).start(timeout_s=120)
+            self._say("proxy", "started", self.proxy_url)
+
+        processors = ProcessorSettings()
+        port, running = self._pick_port("processors", processors.host, processors.port, "/health",
+                                        "ROLLWIRE_PROCESSORS_PORT", None)
+        if running:
+            self._say("processors", "reused", f"http://{processors.host}:{port}")
+        else:
+            deploy_cli._processors_service(kafka).start(timeout_s=180)
+            self._say("processors", "started", f"http://{processors.host}:{port}")
+
+        rollout = RolloutServerSettings()
+        port, running = self._pick_port("rollout-server", rollout.host, rollout.port, "/health",
+                                        "ROLLWIRE_ROLLOUT_PORT", self.options.server_port)
+        rollout = RolloutServerSettings()
+        self.server_url = rollout.url
+        if running:
+            self._say("rollout-server", "reused", self.server_url)
+        else:
+            service = ServiceProcess(name="rollout-server",
+                                     args=("rollout-server", "--host", rollout.host, "--port", str(port)),
+                                     health_url=f"http://{rollout.host}:{port}/health",
+                                     env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
+            service.start(timeout_s=120)
+            self.started.append(service)
+            self._say("rollout-server", "started", self.server_url)
+
+        self._gateway_up(kafka)
+        for name in sorted(evaluators):
+            self._evaluator_up(kafka, name)
+
+    def _gateway_up(self, kafka: KafkaSettings) -> None:
+        from deploy.services import ServiceProcess
+
+        if not _has_command("gateway-node"):
+            self._say("gateway-node", "skipped", "this build has no `rollwire gateway-node`: sessions will "
+                      "stay queued unless a gateway node runs elsewhere")
+            return
+        env = {"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap, "ROLLWIRE_GATEWAY_PROXY_URL": self.proxy_url}
+        try:
+            from producers.gateway.settings import GatewaySettings
+
+            gateway = GatewaySettings()
+            host, port = gateway.host, gateway.port
+        except Exception:  # noqa: BLE001 - its settings are another package's; fall back to no health URL
+            host, port = "127.0.0.1", 0
+        if port:
+            port, running = self._pick_port("gateway-node", host, port, "/health", "ROLLWIRE_GATEWAY_PORT", None)
+            if running:
+                self._say("gateway-node", "reused", f"http://{host}:{port}")
+                return
+            service = ServiceProcess(name="gateway-node", args=("gateway-node",),
+                                     health_url=f"http://{host}:{port}/health", env=env)
+            service.start(timeout_s=120)
+            self.started.append(service)
+        else:
+            detached = Detached("gateway-node", ("gateway-node",), env)
+            if detached.pid() is not None:
+                self._say("gateway-node", "reused", f"pid {detached.pid()}")
+                return
+            detached.start()
+            self.started.append(detached)
+        self._say("gateway-node", "started", f"proxy {self.proxy_url}")
+
+    def _evaluator_up(self, kafka: KafkaSettings, name: str) -> None:
+        if not _has_command("evaluator", "run"):
+            self._say(f"evaluator {name}", "skipped", "this build has no `rollwire evaluator run`")
+            return
+        detached = Detached(f"evaluator-{name}", ("evaluator", "run", name),
+                            {"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
+        if detached.pid() is not None:
+            self._say(f"evaluator {name}", "reused", f"pid {detached.pid()}")
+            return
+        try:
+            detached.start()
+        except JobSetupError as exc:
+            self._say(f"evaluator {name}", "skipped", f"it did not start: {exc}")
+            return
+        self.started.append(detached)
+        self._say(f"evaluator {name}", "started", str(detached.log_file))
+
+    def stop_started(self) -> None:
+        for service in reversed(self.started):
+            service.stop()  # type: ignore[attr-defined]
+            self.console.print(f"  stopped {service.name}")  # type: ignore[attr-defined]
+
+
+# ---- following the tasks ------------------------------------------------------------------------------
+
+
+def _statuses(client: httpx.Client, server_url: str, task_ids: list[str]) -> list[TaskStatus]:
+    out = []
+    for task_id in task_ids:
+        response = client.get(f"{server_url}/v1/tasks/{task_id}")
+        response.raise_for_status()
+        out.append(TaskStatus.model_validate(response.json()))
+    return out
+
+
+def _settled(statuses: list[TaskStatus], trajectory_deadline: float | None) -> bool:
+    """All tasks done, and (until the deadline) every session that made model calls has its trajectory."""
+    if not all(s.state == TaskState.DONE for s in statuses):
+        return False
+    if trajectory_deadline is not None and time.monotonic() < trajectory_deadline:
+        return all(s.trajectory_id for t in statuses for s in t.sessions if s.completions)
+    return True
+
+
+def follow(console: Console, server_url: str, task_ids: list[str], timeout_s: float, live: bool) -> list[TaskStatus]:
+    """Poll the tasks' status until they are done (or ``timeout_s``), showing progress."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    trajectory_deadline: float | None = None
+    statuses: list[TaskStatus] = []
+    last_line = ""
+    last_print = 0.0
+    with httpx.Client(timeout=30) as client:
+        display = Live(console=console, refresh_per_second=2, transient=False) if live and console.is_terminal else None
+        if display is not None:
+            display.start()
+        try:
+            while True:
+                try:
+                    statuses = _statuses(client, server_url, task_ids)
+                except httpx.HTTPError as exc:
+                    console.print(f"[yellow]rollout server did not answer ({exc}); retrying[/yellow]")
+                    time.sleep(POLL_S)
+                    if time.monotonic() > deadline:
+                        break
+                    continue
+                elapsed = time.monotonic() - started
+                if display is not None:
+                    display.update(progress_table(statuses, elapsed))
+                else:
+                    line = progress_line(statuses, elapsed)
+                    changed = line.split("]", 1)[1] != last_line.split("]", 1)[-1]
+                    if changed or time.monotonic() - last_print > 30:
+                        console.print(line, highlight=False)
+                        last_line, last_print = line, time.monotonic()
+                if trajectory_deadline is None and all(s.state == TaskState.DONE for s in statuses):
+                    trajectory_deadline = time.monotonic() + TRAJECTORY_WAIT_S
+                if _settled(statuses, trajectory_deadline) or time.monotonic() > deadline:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            if display is not None:
+                display.stop()
+    return statuses
+
+
+def _home() -> Path:
+    return Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser()
+
+
+def _sink_files(since: float) -> list[str]:
+    """Files under $ROLLWIRE_HOME/sinks written during the run (the sinks' default output folder)."""
+    root = _home() / "sinks"
+    if not root.is_dir():
+        return []
+    return sorted(str(p) for p in root.rglob("*") if p.is_file() and p.stat().st_mtime >= since)
+
+
+def missing_trajectories(statuses: list[TaskStatus]) -> list[str]:
+    """Sessions that ended after making model calls but have no trajectory (the processors did not
+    build one)."""
+    return [s.session_id for t in statuses for s in t.sessions if s.ended and s.completions and not s.trajectory_id]
+
+
+def exit_code(statuses: list[TaskStatus]) -> int:
+    """1 if any session failed for infrastructure reasons, had not ended, or has model calls but no
+    trajectory (an infrastructure failure downstream); else 0."""
+    for status in statuses:
+        for session in status.sessions:
+            if not session.ended or session.failure == FailureKind.INFRASTRUCTURE:
+                return 1
+    return 1 if missing_trajectories(statuses) else 0
+
+
+def run_job(options: JobOptions, console: Console | None = None) -> int:
+    """The whole job; returns the process exit code."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=200)  # logs and pipes: keep the tables' rows whole
+    started_at = time.time()
+    run_id = time.strftime("%m%d%H%M%S") + secrets.token_hex(1)
+    good, bad = load_tasks(options.tasks_file, Overrides(harness=options.harness, samples=options.samples,
+                                                         task_id_suffix=f"r{run_id}"))
+    for line in bad:
+        console.print(f"[red]{options.tasks_file}:{line.line_no}: {line.error}[/red]", highlight=False)
+    if not good:
+        console.print("[red]no task to run[/red]")
+        return 2
+    evaluators = {line.request.evaluator.name for line in good if line.request.evaluator is not None}
+    stack = Stack(console, options)
+    try:
+        try:
+            stack.up(evaluators)
+        except Exception as exc:  # noqa: BLE001 - any part failing to start ends the job with its reason
+            console.print(f"[red]the stack did not come up: {exc}[/red]", highlight=False)
+            return 2
+        submitted: list[TaskSubmitted] = []
+        with httpx.Client(timeout=30) as client:
+            for line in good:
+                try:
+                    submitted.append(post_task(client, stack.server_url, line.request))
+                except (ValueError, httpx.HTTPError) as exc:
+                    console.print(f"[red]{options.tasks_file}:{line.line_no}: refused: {exc}[/red]", highlight=False)
+                    bad.append(BadLine(line.line_no, str(exc)))
+        if not submitted:
+            return 2
+        sessions = sum(len(s.session_ids) for s in submitted)
+        harness = options.harness or "as in the tasks file"
+        console.print(f"[bold]submitted[/bold] {len(submitted)} tasks, {sessions} sessions (harness {harness}) "
+                      f"to {stack.server_url}")
+        timeout_s = options.timeout_s or max(line.request.timeout_s for line in good) + 300
+        task_ids = [s.task_id for s in submitted]
+        statuses = follow(console, stack.server_url, task_ids, timeout_s, options.live)
+        console.print(summary_table(statuses))
+        failures = failures_table(statuses)
+        if failures is not None:
+            console.print(failures)
+        assert stack.kafka is not None
+        registry = stack.kafka.registry()
+        topics = {t.value: registry.name(t) for t in (Topic.TASKS, Topic.SESSIONS, Topic.SESSION_EVENTS,
+                                                      Topic.COMPLETIONS, Topic.TRAJECTORIES, Topic.EVALUATIONS,
+                                                      Topic.GROUPS)}
+        console.print(outputs(topics, stack.server_url, task_ids, _sink_files(started_at)))
+        if stack.started and not options.keep_services:
+            console.print("  (the results are served while a rollout server runs: `rollwire rollout-server` "
+                          "rebuilds them from the topics)", highlight=False)
+        missing = missing_trajectories(statuses)
+        if missing:
+            console.print(f"[red]{len(missing)} sessions made model calls but have no trajectory after "
+                          f"{TRAJECTORY_WAIT_S:.0f} s: is the processors worker healthy? "
+                          f"(log: {_home() / 'processors' / 'processors.log'})[/red]", highlight=False)
+        code = exit_code(statuses)
+        if code == 0 and bad:
+            code = 2
+        return code
+    finally:
+        if not options.keep_services and stack.started:
+            stack.stop_started()

@@ -1,0 +1,1 @@
+"""Tests of the producers: rollout server, gateway nodes, runtimes, harness adapters."""
