@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +30,9 @@ from processors.builders import UnknownBuilder, build_trajectory
 from processors.intake import dead_letter, peek
 from processors.payloads import PayloadCache
 from processors.progress import InputProgress
+from processors.writebehind import BufferedTable
+from processors.writebehind import discard as discard_pending
+from processors.writebehind import flush as flush_tables
 from processors.sessions import (
     CallRef,
     EndFacts,
@@ -71,6 +74,18 @@ class Tables:
 
 
 @dataclass
+class BufferedTables:
+    """The same tables, writes held until the next flush."""
+
+    open: BufferedTable
+    specs: BufferedTable
+    built: BufferedTable
+
+    def __iter__(self) -> Iterator[BufferedTable]:
+        return iter((self.open, self.specs, self.built))
+
+
+@dataclass
 class Outputs:
     """How the aggregator talks to Kafka; the app supplies these."""
 
@@ -109,7 +124,10 @@ class SessionAggregator:
     def __init__(self, tables: Tables, outputs: Outputs, registry: TopicRegistry, *, control_topic: str,
                  group: str, idle_s: float, grace_s: float, settle_s: float, max_message_bytes: int,
                  cache_bytes: int = 512 * 1024 * 1024, clock: Callable[[], float] = time.time) -> None:
-        self.t, self.out, self.registry = tables, outputs, registry
+        self.tables = tables
+        # Every write goes through these; the app flushes them before acknowledging the records.
+        self.t = BufferedTables(BufferedTable(tables.open), BufferedTable(tables.specs), BufferedTable(tables.built))
+        self.out, self.registry = outputs, registry
         self.control_topic, self.group = control_topic, group
         self.idle_s, self.grace_s = idle_s, grace_s
         self.max_message_bytes = max_message_bytes
@@ -121,9 +139,9 @@ class SessionAggregator:
         # Ended sessions waiting for their partition's other inputs to be read up to the end record
         # (derived, reset on rebalance; after a restart the timer finds them in the table).
         self._waiting: dict[int, dict[str, float]] = {}
-        # A copy of the open table for the timer's scan (iterating RocksDB every tick cost more than the
-        # records): loaded from the table at the first tick after a (re)assignment, then written through.
-        self._open: dict[bytes, bytes] | None = None
+        # The open table in memory, parsed (see _sessions), and the specs' facts as they are read.
+        self._open: dict[bytes, OpenSession] | None = None
+        self._specs: dict[bytes, SpecFacts] = {}
         self._names = {t: registry.name(t) for t in Topic}
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
         self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
@@ -132,8 +150,14 @@ class SessionAggregator:
     # -- records -------------------------------------------------------------------------------------
 
     async def handle(self, record: Record) -> None:
-        """Take one input record (any of the three input topics or the control topic)."""
+        """Take one input record (any of the three input topics or the control topic) and write its
+        effect through to the tables (tests and simple callers; the app batches and flushes itself)."""
         await self.handle_batch((record,))
+        self.flush(lambda partition: True)
+
+    def flush(self, enter_partition: Callable[[int], bool]) -> int:
+        """Apply the buffered table writes (see processors.writebehind.flush)."""
+        return flush_tables(self.t, enter_partition)
 
     async def handle_batch(self, records: Sequence[Record]) -> None:
         """Take a batch of input records, in the order the stream delivered them.
@@ -161,17 +185,19 @@ class SessionAggregator:
                 await self._dead_letter(record, exc.error_type, exc.reason)
                 continue
             sid = envelope.session_id.encode()
-            if sid in self.t.built:
+            session = touched.get(sid) or self._sessions().get(sid)
+            # An open session is not built; only a session's first record (or a late one) asks the table.
+            if session is None and sid in self.t.built:
                 self.counters["late"] += 1  # a replay after a restart, or a record after the session was built
                 continue
             now = self.clock()
             if isinstance(event, SessionSpec):
-                self.t.specs[sid] = SpecFacts.of(event, now).dumps()
+                facts_ = SpecFacts.of(event, now)
+                self.t.specs.put(sid, facts_.dumps(), record.partition)
+                self._specs[sid] = facts_
                 continue
-            session = touched.get(sid)
             if session is None:
-                raw = self.t.open.get(sid)
-                session = OpenSession.loads(raw) if raw is not None else OpenSession(record.partition, (), now, now)
+                session = OpenSession(record.partition, (), now, now)
             if spec.topic is Topic.COMPLETIONS:
                 if envelope.session_id in self.in_flight:
                     logger.warning("completion %s arrived after session %s was built; not in its trajectory",
@@ -191,9 +217,9 @@ class SessionAggregator:
                 await self._build_waiting(partition, now)
 
     async def _flush(self, touched: dict[bytes, OpenSession]) -> None:
-        """Write the sessions a batch changed, one table write each."""
+        """Record the sessions a batch changed (one buffered table write each)."""
         for sid, session in touched.items():
-            self._set_open(sid, session.dumps())
+            self._set_open(sid, session)
         touched.clear()
 
     async def _build_waiting(self, partition: int, now: float) -> None:
@@ -204,9 +230,9 @@ class SessionAggregator:
             if not self.progress.read_up_to(self._others, partition, ts, now, self.out.highwater):
                 break
             del waiting[session_id]
-            raw = self.t.open.get(session_id.encode())
-            if raw is not None:
-                await self._build(session_id, OpenSession.loads(raw), partial=False)
+            session = self._sessions().get(session_id.encode())
+            if session is not None:
+                await self._build(session_id, session, partial=False)
 
     def _ready(self, session: OpenSession, now: float) -> bool:
         assert session.end is not None
@@ -219,8 +245,7 @@ class SessionAggregator:
         if session_id in self.in_flight:
             return
         sid = session_id.encode()
-        raw_spec = self.t.specs.get(sid)
-        spec = SpecFacts.loads(raw_spec) if raw_spec is not None else None
+        spec = self._spec(sid)
         completions: list[Completion] = []
         for ref, value in (await self._payloads(session_id, session)).items():
             try:
@@ -282,27 +307,34 @@ class SessionAggregator:
             logger.warning("ignoring malformed control record at %s/%d", record.partition, record.offset)
             return
         sid = session_id.encode()
-        raw = self.t.open.get(sid)
+        session = self._sessions().get(sid)
         if kind == "emitted":
             self.in_flight.discard(session_id)
-            self.t.built[sid] = str(doc.get("event_id", "")).encode()
-            if raw is not None:
-                del self.t.open[sid]
+            self.t.built.put(sid, str(doc.get("event_id", "")).encode(), record.partition)
+            if session is not None:
+                self.t.open.delete(sid, record.partition)
                 self._del_open(sid)
-            self.t.specs.pop(sid, None)
+            self.t.specs.delete(sid, record.partition)
+            self._specs.pop(sid, None)
             return
-        if raw is None or sid in self.t.built or session_id in self.in_flight:
+        if session is None or sid in self.t.built or session_id in self.in_flight:
             return
-        session = OpenSession.loads(raw)
         now = self.clock()
         if kind == "finalize" and session.end is not None and self._ready(session, now):
             await self._build(session_id, session, partial=False)
         elif kind == "deadline" and session.end is None and now >= self._deadline(sid, session):
             await self._build(session_id, session, partial=True)
 
+    def _spec(self, sid: bytes) -> SpecFacts | None:
+        spec = self._specs.get(sid)
+        if spec is None:
+            raw_spec = self.t.specs.get(sid)
+            if raw_spec is not None:
+                spec = self._specs[sid] = SpecFacts.loads(raw_spec)
+        return spec
+
     def _deadline(self, sid: bytes, session: OpenSession) -> float:
-        raw_spec = self.t.specs.get(sid)
-        spec = SpecFacts.loads(raw_spec) if raw_spec is not None else None
+        spec = self._spec(sid)
         since = self.progress.active_since if self.progress.active_since is not None else self.clock()
         return deadline(session, spec, idle_s=self.idle_s, grace_s=self.grace_s, active_since=since)
 
@@ -311,20 +343,16 @@ class SessionAggregator:
 
     # -- the timer -----------------------------------------------------------------------------------
 
-    async def tick(self, active_partitions: set[int], load: Callable[[], Iterable[tuple[bytes, bytes]]]) -> None:
+    async def tick(self, active_partitions: set[int]) -> None:
         """Look at every open session of our partitions: ask for the build of those that are due.
 
-        ``load`` iterates the open table, (session id, OpenSession bytes); it is read once after each
-        (re)assignment, then kept up to date by the agent. The timer cannot write tables (no current
-        record), so it sends a control record to the session's partition and the agent acts on it.
+        The timer cannot write tables (no current record), so it sends a control record to the
+        session's partition and the agent acts on it.
         """
         now = self.clock()
         if self.progress.active_since is None:
             self.progress.active_since = now
-        if self._open is None:
-            self._open = dict(load())
-        for sid, raw in list(self._open.items()):
-            session = OpenSession.loads(raw)
+        for sid, session in list(self._sessions().items()):
             session_id = sid.decode()
             if session.partition not in active_partitions or session_id in self.in_flight:
                 continue
@@ -351,15 +379,23 @@ class SessionAggregator:
         self._asked.clear()
         self._waiting.clear()
         self._open = None
+        self._specs.clear()
+        discard_pending(self.t)
 
-    def _set_open(self, sid: bytes, raw: bytes) -> None:
-        self.t.open[sid] = raw
-        if self._open is not None:
-            self._open[sid] = raw
+    def _sessions(self) -> dict[bytes, OpenSession]:
+        """The open sessions of our partitions, in memory: read from the table once after each
+        (re)assignment (iterating RocksDB per record or per tick cost more than the records), then kept
+        current by every write."""
+        if self._open is None:
+            self._open = {sid: OpenSession.loads(raw) for sid, raw in self.t.open.items()}
+        return self._open
+
+    def _set_open(self, sid: bytes, session: OpenSession) -> None:
+        self.t.open.put(sid, session.dumps(), session.partition)
+        self._sessions()[sid] = session
 
     def _del_open(self, sid: bytes) -> None:
-        if self._open is not None:
-            self._open.pop(sid, None)
+        self._sessions().pop(sid, None)
 
     # -- dead letters --------------------------------------------------------------------------------
 

@@ -132,30 +132,57 @@ aggregator = SessionAggregator(
     cache_bytes=conf.cache_mb * 1024 * 1024)
 
 
+# Records handled whose effect on the tables is still only in memory: acknowledged after the next flush.
+unflushed: list[faust.EventT] = []
+
+
+def flush() -> None:
+    """Write the buffered table changes, then acknowledge the records they came from.
+
+    A table write finds its partition (RocksDB store, changelog partition) through the current event:
+    for each partition one of its unflushed records is made current while its writes are applied. Every
+    record on partition P of an input (and every control record sent there) concerns sessions of
+    partition P, so that is where their state belongs.
+    """
+    if not unflushed:
+        return
+    latest = {event.message.partition: event for event in unflushed}
+
+    def enter(partition: int) -> bool:
+        event = latest.get(partition)
+        if event is None:
+            return False
+        _current_event.set(weakref.ref(event))
+        return True
+
+    try:
+        aggregator.flush(enter)
+    finally:
+        _current_event.set(None)
+    for event in unflushed:
+        event.ack()
+    unflushed.clear()
+
+
 @app.agent(inputs, concurrency=1)
 async def sessions(stream: faust.StreamT) -> None:
-    """Every input record, in partition order, in batches (the single writer of the tables).
+    """Every input record, in partition order, one at a time (the single writer of the tables).
 
-    A batch is whatever arrived within ``batch_ms`` (up to ``batch_records``): under load a session's
-    records share a batch and its table value is written once; when idle a record waits at most
-    ``batch_ms``. Offsets are acknowledged after the batch is handled.
-
-    Faust tables find the partition of a write (its RocksDB store and changelog partition) from the
-    current event, which a batch does not set: the batch is handled partition by partition, with one
-    of that partition's events made current. Every record on partition P of an input (and every
-    control record sent there) concerns sessions of partition P, so that is where their state belongs.
+    Acknowledgements are manual: a record is acknowledged (and its offset may be committed) only after
+    the table writes it caused are flushed, every ``batch_records`` records or ``batch_ms``, whichever
+    comes first. A session's state is written once per flush however many of its records came in.
     """
-    async for batch in stream.take_events(conf.batch_records, within=conf.batch_ms / 1000):
-        by_partition: dict[int, list[faust.EventT]] = {}
-        for event in batch:
-            by_partition.setdefault(event.message.partition, []).append(event)
-        try:
-            for events in by_partition.values():
-                # Only the context variable: the stream's own current_event belongs to its buffer filler.
-                _current_event.set(weakref.ref(events[-1]))
-                await aggregator.handle_batch([event.message for event in events])
-        finally:
-            _current_event.set(None)
+    async for event in stream.noack().events():
+        unflushed.append(event)
+        await aggregator.handle_batch((event.message,))
+        if len(unflushed) >= conf.batch_records:
+            flush()
+
+
+@app.timer(conf.batch_ms / 1000)
+async def flush_timer() -> None:
+    if not app.rebalancing:
+        flush()
 
 
 @app.timer(conf.tick_s)
@@ -165,11 +192,17 @@ async def deadlines() -> None:
         aggregator.progress.active_since = None
         return
     actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
-    await aggregator.tick(actives, tables.open.items)
+    await aggregator.tick(actives)
+
+
+@app.on_partitions_revoked.connect
+async def _revoked(sender: faust.App, revoked: set[TP], **kwargs: object) -> None:
+    flush()  # still ours: write what was done and acknowledge it before the offsets are committed
 
 
 @app.on_partitions_assigned.connect
 async def _assigned(sender: faust.App, assigned: set[TP], **kwargs: object) -> None:
+    unflushed.clear()  # anything not flushed is read again from the committed offsets
     aggregator.reset({tp.partition for tp in assigned if tp.topic == control.get_topic_name()})
 
 

@@ -92,8 +92,9 @@ async def test_tables_hold_small_refs_and_the_build_uses_the_cache() -> None:
     assert kafka.reads == []  # everything came from the cache
 
 
-async def test_a_batch_writes_each_session_once_with_offsets_only() -> None:
-    """Two sessions' records interleaved in one batch: one open-table write per session, holding offsets."""
+async def test_writes_wait_for_the_flush_and_cost_one_per_session() -> None:
+    """Two sessions' records interleaved: nothing reaches the table before the flush, then one write per
+    session holding its offsets; reads before the flush already see the pending state."""
     plans = [linear_session(f"b{i}", turns=3, seed=20 + i, ended=False) for i in range(2)]
     kafka = FakeKafka()
     streams = [_records(plan, kafka, offset_base=100 * i) for i, plan in enumerate(plans)]
@@ -106,7 +107,13 @@ async def test_a_batch_writes_each_session_once_with_offsets_only() -> None:
             super().__setitem__(key, value)
 
     tables = Tables(open=CountingDict(), specs={}, built={})
-    await _aggregator(tables, kafka).handle_batch(batch)
+    aggregator = _aggregator(tables, kafka)
+    for record in batch:  # as the app does: one record at a time, the writes held until the flush
+        await aggregator.handle_batch((record,))
+    assert writes == [] and OpenSession.loads(aggregator.t.open.get(b"b1")).offsets == (100, 101, 102)
+    entered: list[int] = []
+    assert aggregator.flush(lambda partition: entered.append(partition) or True) == 4  # 2 specs, 2 sessions
+    assert entered == [1]
     assert sorted(writes) == [b"b0", b"b1"]
     for i, sid in enumerate((b"b0", b"b1")):
         raw = tables.open[sid]
@@ -188,27 +195,45 @@ async def test_ended_sessions_wait_for_their_partition_in_end_order() -> None:
     assert [t.session_id for t in kafka.trajectories] == ["w0", "w1"]
 
 
-async def test_the_timer_scans_a_copy_of_the_open_table() -> None:
-    """The open table is read once per assignment; the agent's writes keep the copy current."""
+async def test_open_sessions_are_read_from_the_table_once_per_assignment() -> None:
+    """The open table is iterated once per assignment; the agent's writes keep the copy in memory
+    current, so neither records nor the timer's scans read it again; a restart reads it back."""
     plan = linear_session("t1", turns=2, seed=5, ended=False)
-    kafka, tables = FakeKafka(), _tables()
+    kafka = FakeKafka()
+    scans: list[int] = []
+
+    class ScannedDict(dict):
+        def items(self):
+            scans.append(1)
+            return super().items()
+
+    tables = Tables(open=ScannedDict(), specs={}, built={})
     clock = [1000.0]
     aggregator = _aggregator(tables, kafka, clock=lambda: clock[0])
-    loads = []
-
-    def load():
-        loads.append(1)
-        return list(tables.open.items())
-
     sent: list[dict] = []
 
     async def send_control(session_id: str, partition: int, record: dict) -> None:
         sent.append(record)
 
     aggregator.out.send_control = send_control
-    await aggregator.tick({1}, load)  # nothing open yet
+    await aggregator.tick({1})  # nothing open yet
     for record in _records(plan, kafka)[:-1]:
         await aggregator.handle(record)
     clock[0] += 10_000  # past the idle deadline
-    await aggregator.tick({1}, load)
-    assert loads == [1] and sent == [{"kind": "deadline", "session_id": "t1"}]
+    await aggregator.tick({1})
+    assert scans == [1] and sent == [{"kind": "deadline", "session_id": "t1"}]
+    restarted = _aggregator(tables, kafka, clock=lambda: clock[0])
+    restarted.out.send_control = send_control
+    restarted.progress.active_since = 0.0
+    await restarted.tick({1})
+    assert scans == [1, 1] and len(sent) == 2  # the restarted worker found the session in the table
+
+
+async def test_a_flush_drops_writes_of_partitions_no_longer_ours() -> None:
+    plan = linear_session("d1", turns=2, seed=30, ended=False)
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka)
+    for record in _records(plan, kafka):
+        await aggregator.handle_batch((record,))
+    assert aggregator.flush(lambda partition: False) == 0
+    assert tables.open == {} and tables.specs == {} and aggregator.t.open.get(b"d1") is None
