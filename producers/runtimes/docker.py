@@ -175,7 +175,7 @@ def docker_client() -> Any:
     try:
         import docker
     except ImportError as exc:
-        raise RuntimeInitError("the docker runtime needs the docker SDK: pip install 'rollwire[docker]'") from exc
+        raise RuntimeInitError("the docker runtime needs the docker SDK (the 'docker' package), which is not installed") from exc
     try:
         client = docker.from_env()
         client.ping()
