@@ -5,7 +5,9 @@ Two kinds of sessions go through both builders:
 (a) recorded sessions: completion events (``Completion`` JSON, one per file or one per line of a
     ``.jsonl``) found under ``tests/fixtures/sessions/``, grouped by session id: the real CLIs' scripted
     sessions on the real vLLM engine, written there by ``record_sessions.py`` as ``<cli>-<n>.jsonl``
-    (figures per CLI, named after the file, then over all of them), or call :func:`compare` directly;
+    (figures per CLI, named after the file, then over all of them), or call :func:`compare` directly.
+    Their turns were forced by token ids, the template's own, so each linear session merges into one
+    row (five calls each: ``recorded_rows_ratio=5.00``);
 (b) generated long sessions: a main agent of ``--turns`` turns with ``--tool-tokens``-token tool outputs,
     two side calls (title generation, memory extraction), a sub-agent started from the main agent's
     context (4 turns) and a history rewrite (old tool outputs elided) ten turns before the end.

@@ -7,7 +7,11 @@ messages, so a later turn's prompt extends an earlier turn's prompt by prefix, a
 
 Like the real server it honours ``structured_outputs.regex`` holding a literal (that is how tests force
 a tool call): the reply is that text, and a ``<tool_call>{json}</tool_call>`` reply comes back as
-``tool_calls`` when tools were offered. Failure modes are chosen per request with the
+``tool_calls`` when tools were offered. A turn forced by token ids for the real engine
+(``vllm_xargs.rollwire_forced_tokens``, see ``deploy/engine/plugins``) carries its text as
+``vllm_xargs.rollwire_forced_text``: the reply is that text, tokenized the stand-in's way (the real ids
+mean nothing under its one-token-per-byte scheme); without the text, the ids themselves come back, the
+text being those below 256 read as bytes. Failure modes are chosen per request with the
 ``x-standin-fail`` header or the ``standin_fail`` body field (a session can set it through its engine extras): ``overflow`` (vLLM's context-length 400), ``error`` (500), ``hang``
 (no answer), ``cut`` (the stream breaks off midway).
 
@@ -37,6 +41,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm"
+FORCED_TOKENS_ARG = "rollwire_forced_tokens"  # deploy/engine/plugins: the real engine's forced ids
+FORCED_TEXT_ARG = "rollwire_forced_text"  # the same turn's text, what the stand-in replies
 _WORDS = ("the", "file", "test", "def", "return", "import", "fix", "value", "error", "path", "self", "run")
 
 
@@ -113,7 +119,22 @@ def _regex_literal(pattern: str) -> str | None:
     return "".join(out)
 
 
+def _forced_xargs(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
+    """A turn forced for the real engine: its text and its ids (``vllm_xargs``), each None if absent."""
+    xargs = body.get("vllm_xargs") or {}
+    text, ids = xargs.get(FORCED_TEXT_ARG), xargs.get(FORCED_TOKENS_ARG)
+    if isinstance(ids, str):
+        parts = [part.strip() for part in ids.split(",")]
+        ids = [int(part) for part in parts if part] if all(p.isdigit() for p in parts if p) else None
+    return (text if isinstance(text, str) else None), (list(ids) if isinstance(ids, list) else None)
+
+
 def _reply_text(body: dict[str, Any], prompt_ids: list[int], n_tokens: int) -> str:
+    forced_text, forced_ids = _forced_xargs(body)
+    if forced_text is not None:
+        return forced_text
+    if forced_ids is not None:
+        return bytes(i for i in forced_ids if 0 <= i < 256).decode("utf-8", errors="ignore")
     forced = (body.get("structured_outputs") or {}).get("regex")
     if forced:
         literal = _regex_literal(forced)
@@ -196,9 +217,15 @@ class Standin:
             await asyncio.sleep(3600)
         await asyncio.sleep(self.config.latency_ms / 1000)
         text = _reply_text(body, prompt_ids, min(max_tokens, self.config.reply_tokens))
-        ids = tokenize(text)[:min(max_tokens, max(self.config.reply_tokens, len(text) if body.get("structured_outputs") else 0))]
-        text = bytes(ids).decode("utf-8", errors="ignore")
-        finish = "length" if len(tokenize(_reply_text(body, prompt_ids, self.config.reply_tokens))) > max_tokens else "stop"
+        forced_text, forced_ids = _forced_xargs(body)
+        forced = bool(body.get("structured_outputs")) or forced_text is not None or forced_ids is not None
+        if forced_text is None and forced_ids is not None:
+            ids, full = forced_ids[:max_tokens], len(forced_ids)
+        else:
+            ids = tokenize(text)[:min(max_tokens, max(self.config.reply_tokens, len(text) if forced else 0))]
+            text = bytes(ids).decode("utf-8", errors="ignore")
+            full = len(tokenize(_reply_text(body, prompt_ids, self.config.reply_tokens)))
+        finish = "length" if full > max_tokens else "stop"
         calls = _tool_calls(text, body) if finish == "stop" else []
         if calls:
             finish = "tool_calls"
@@ -221,8 +248,9 @@ class Standin:
         return JSONResponse(response)
 
     def _logprob_entry(self, token: int, position: int) -> dict[str, Any]:
-        return {"token": bytes([token]).decode("utf-8", errors="replace"), "logprob": _logprob(token, position),
-                "bytes": [token], "top_logprobs": []}
+        raw = [token] if 0 <= token < 256 else []  # forced real-vocabulary ids have no byte here
+        return {"token": bytes(raw).decode("utf-8", errors="replace"), "logprob": _logprob(token, position),
+                "bytes": raw, "top_logprobs": []}
 
     async def _stream(self, body: dict[str, Any], prompt_ids: list[int], ids: list[int], text: str,
                       calls: list[dict[str, Any]], finish: str, cut: bool):
@@ -248,7 +276,7 @@ class Standin:
             if deltas is not None:
                 delta = deltas[n]
             else:
-                delta = {"content": bytes(piece).decode("utf-8", errors="ignore")}
+                delta = {"content": bytes(t for t in piece if 0 <= t < 256).decode("utf-8", errors="ignore")}
             yield chunk(template, delta=delta, token_ids=piece, logprobs=lps, finish_reason=finish if last else None)
             if self.config.token_interval_ms:
                 await asyncio.sleep(self.config.token_interval_ms / 1000)

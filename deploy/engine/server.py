@@ -27,6 +27,10 @@ Decisions, with the flags that carry them:
 - ``--enable-auto-tool-choice --tool-call-parser hermes``: ``<tool_call>{json}</tool_call>`` text comes
   back as OpenAI ``tool_calls``.
 - ``HF_HUB_OFFLINE=1``: nothing is ever fetched from a model hub.
+- ``--logits-processors rollwire_forced_tokens:ForcedTokensLogitsProcessor`` (``deploy/engine/plugins`` on
+  the server's ``PYTHONPATH``): a request with ``vllm_xargs: {"rollwire_forced_tokens": [ids]}`` samples
+  exactly those ids, then end-of-sequence (how tests script the tiny model's turns token for token);
+  other requests are untouched.
 
 Environment read by ``EngineConfig.from_env``: ``ROLLWIRE_CACHE_DIR`` (vLLM environment and model,
 default ``~/.cache/rollwire``), ``ROLLWIRE_HOME`` (server state in its ``engine/``: pid, logs, vLLM's
@@ -52,6 +56,7 @@ from typing import Any
 import httpx
 
 from deploy.engine.errors import EngineStartError
+from deploy.engine.plugins import FORCED_TOKENS_PROCESSOR
 from deploy.engine.tiny_model import TEMPLATE_FILE, build_tiny_model
 from deploy.engine.vllm_env import ensure_vllm_env, env_python
 from deploy.errors import ConfigError
@@ -62,6 +67,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 _ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 _POLL_INTERVAL_S = 0.5
 _LOG_TAIL_LINES = 40
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # on the server's PYTHONPATH, nothing else
 
 
 def _env_path(name: str, default: str) -> Path:
@@ -153,6 +159,7 @@ def server_command(python: Path, config: EngineConfig, model_dir: Path) -> list[
         "--logprobs-mode", config.logprobs_mode,
         "--seed", str(config.seed),
         "--disable-uvicorn-access-log",
+        "--logits-processors", FORCED_TOKENS_PROCESSOR,
         *config.extra_args,
     ]
 
@@ -172,6 +179,7 @@ def server_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict
         "VLLM_CACHE_ROOT": str(config.home / "vllm-cache"),
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p),
     })
     return env
 

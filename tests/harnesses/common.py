@@ -1,12 +1,15 @@
 """What the harness tests (and the re-record scripts beside their fixtures) share.
 
 A scripted session: the model's output is forced turn by turn through the session's ``engine.turns``
-(``structured_outputs.regex`` literals, see ``literal_regex`` and ``Script``); the CLI runs with a
-throwaway HOME and only loopback (``tests.harnesses.isolation``); ``run_on_session`` runs it and
-collects the session's completion events. The checks every CLI's session must pass, whatever its API,
-are here too: the calls recorded with token ids, the prompt chain (stand-in and real vLLM), no 5xx
-from the proxy. Each test module keeps what is its CLI's own: its config files, command line, scripts
-and wire format.
+(see ``Script`` and ``forced_turn``): on the real vLLM engine by token ids (``vllm_xargs.
+rollwire_forced_tokens``, read by the engine's ``rollwire_forced_tokens`` logits processor: the ids the
+chat template renders for the turn, ``<tool_call>`` and ``<|im_end|>`` as their special tokens), on the
+stand-in by the same turn's text (``vllm_xargs.rollwire_forced_text``). The CLI runs with a throwaway
+HOME and only loopback (``tests.harnesses.isolation``); ``run_on_session`` runs it and collects the
+session's completion events. The checks every CLI's session must pass, whatever its API, are here too:
+the calls recorded with token ids, the prompt chain (token for token, on both engines), no 5xx from the
+proxy. Each test module keeps what is its CLI's own: its config files, command line, scripts and wire
+format. ``literal_regex`` stays for tests that force text through guided decoding.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from bench.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app as create_standin
+from deploy.engine.plugins import FORCED_TOKENS_ARG
+from deploy.engine.server import EngineConfig
+from deploy.engine.tiny_model import build_tiny_model
 from deploy.kafka import ensure_topics
 from proxy.app import create_app
 from schemas.completions import Completion
@@ -55,6 +62,34 @@ def literal_regex(text: str) -> str:
     return "".join(out)
 
 
+END_OF_TURN = "<|im_end|>"  # what the chat template writes after an assistant turn (the model's EOS)
+
+
+@lru_cache(maxsize=1)
+def _tiny_tokenizer() -> Any:
+    """The tiny model's tokenizer (``tokenizers.Tokenizer``), from its model directory (built if missing)."""
+    from tokenizers import Tokenizer
+
+    config = EngineConfig.from_env()
+    return Tokenizer.from_file(str(build_tiny_model(config.model_dir, seed=config.seed) / "tokenizer.json"))
+
+
+def turn_token_ids(text: str) -> list[int]:
+    """The ids the chat template renders for an assistant turn saying ``text``, up to and with its
+    ``<|im_end|>``: added tokens (``<tool_call>``, ``</tool_call>``) as their own ids, the text between
+    them as the tokenizer splits it. Added tokens cut the template's output into pieces tokenized apart,
+    and the turn's text starts a piece (after ``<|im_start|>assistant\n``'s newline, which the Qwen2 split
+    keeps apart from a following letter), so these are the ids the next prompt holds for this turn."""
+    return list(_tiny_tokenizer().encode(text + END_OF_TURN, add_special_tokens=False).ids)
+
+
+def forced_turn(text: str) -> dict[str, Any]:
+    """One ``engine.turns`` entry forcing the model to say ``text``: vLLM samples exactly its template ids
+    (``rollwire_forced_tokens``, raw logprobs stay the model's own on an engine run with
+    ``--logprobs-mode raw_logprobs``); the stand-in replies with the text (``rollwire_forced_text``)."""
+    return {"vllm_xargs": {FORCED_TOKENS_ARG: turn_token_ids(text), FORCED_TEXT_ARG: text}}
+
+
 @dataclass(frozen=True)
 class ToolStep:
     """One scripted tool call: the tool's name and its arguments."""
@@ -69,7 +104,7 @@ class ToolStep:
         through ``JSON.stringify``, no spaces; see the fixtures). vLLM parses echoed arguments into an
         object and the template re-serializes them with ``json.dumps``'s default separators (the stand-in
         and the proxy, for Claude Code's ``tool_use.input``, do the same): written in that layout, the
-        model's text comes back unchanged in the next prompt."""
+        model's turn comes back unchanged in the next prompt, token for token (``turn_token_ids``)."""
         arguments = json.dumps(self.arguments, ensure_ascii=False)
         return f'<tool_call>\n{{"name": "{self.name}", "arguments": {arguments}}}\n</tool_call>'
 
@@ -86,10 +121,30 @@ class Script:
     def calls(self) -> int:
         return len(self.steps) + 1
 
+    def texts(self) -> list[str]:
+        """Each turn's text: the tool calls' hermes blocks, then the answer."""
+        return [step.text() for step in self.steps] + [self.answer]
+
     def turns(self) -> list[dict[str, Any]]:
-        """The session's ``engine.turns``: each turn's text forced as a literal."""
-        texts = [step.text() for step in self.steps] + [self.answer]
-        return [{"structured_outputs": {"regex": literal_regex(text)}} for text in texts]
+        """The session's ``engine.turns``: each turn forced by its template token ids (``forced_turn``)."""
+        return [forced_turn(text) for text in self.texts()]
+
+
+def engine_forces_tokens(engine_url: str) -> bool:
+    """Whether the vLLM server at ``engine_url`` loads the ``rollwire_forced_tokens`` logits processor
+    (a server started before it existed ignores the field and samples freely)."""
+    ids = turn_token_ids("ok")
+    body = {"model": EngineConfig().served_model_name, "messages": [{"role": "user", "content": "Say ok."}],
+            "max_tokens": len(ids) + 2, "return_token_ids": True, "vllm_xargs": {FORCED_TOKENS_ARG: ids}}
+    response = httpx.post(f"{engine_url}/v1/chat/completions", json=body, timeout=120)
+    return response.status_code == 200 and response.json()["choices"][0].get("token_ids") == ids
+
+
+def require_token_forcing(engine_url: str) -> None:
+    """Fail at once, saying what to do, when the engine cannot force a scripted session's turns."""
+    if not engine_forces_tokens(engine_url):
+        pytest.fail(f"the vLLM server at {engine_url} does not force vllm_xargs.{FORCED_TOKENS_ARG}: it was "
+                    "started without deploy/engine/server.py's --logits-processors flag; restart it")
 
 
 # -- proxies and topics ------------------------------------------------------------------------------
@@ -128,7 +183,9 @@ def standin_proxy(kafka: KafkaSettings, standin_url: str) -> Iterator[ProxyUnder
 
 @pytest.fixture
 def vllm_proxy(kafka: KafkaSettings, vllm_url: str) -> Iterator[ProxyUnderTest]:
-    """A proxy that keeps request bodies, over the real vLLM CPU server (CPU-slow: long engine timeout)."""
+    """A proxy that keeps request bodies, over the real vLLM CPU server (CPU-slow: long engine timeout);
+    the server must force scripted turns by token ids (``require_token_forcing``)."""
+    require_token_forcing(vllm_url)
     with serve_proxy(vllm_url, kafka, record_request_body=True, engine_timeout_s=300) as proxy:
         yield proxy
 
@@ -222,48 +279,37 @@ async def session_events(proxy: ProxyUnderTest, session_id: str, api: str, *,
     return sorted(events, key=lambda e: e.sequence)
 
 
-def assert_prefix_chain(run: SessionRun) -> None:
+def assert_prefix_chain(run: SessionRun, engine_url: str | None = None) -> None:
     """Call k+1's prompt starts with call k's prompt followed by the tokens call k sampled: the CLI keeps
-    its history append-only, and the scripted text is laid out as the template writes it back (see
-    ToolStep.text). Holds token for token where the engine tokenizes as it samples (the stand-in)."""
+    its history append-only, and the scripted turns are the template's own ids (``turn_token_ids``;
+    the stand-in tokenizes as it samples). With ``engine_url`` (a vLLM server) a failure shows the texts."""
     events = sorted(run.events, key=lambda e: e.sequence)
     for earlier, later in zip(events, events[1:]):
         head = earlier.prompt_token_ids.tolist() + earlier.token_ids.tolist()
         prompt = later.prompt_token_ids.tolist()
         differs = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), min(len(head), len(prompt)))
+        shown = ""
+        if engine_url and differs < len(head):
+            shown = (f"\nsampled: {_detokenize(engine_url, head[differs:])[:300]!r}"
+                     f"\nprompt:  {_detokenize(engine_url, prompt[differs:differs + 200])[:300]!r}")
         assert len(prompt) > len(head) and differs == len(head), (
             f"call {later.sequence} does not extend call {earlier.sequence} (+ its {len(earlier.token_ids)} sampled "
-            f"tokens, {len(head)} in all): first difference at token {differs}")
-
-
-_END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
+            f"tokens, {len(head)} in all): first difference at token {differs}{shown}")
 
 
 def assert_prompt_text_chain(run: SessionRun, engine_url: str) -> None:
-    """On the real engine: call k+1's prompt starts with call k's prompt token for token (the CLI's history
-    is append-only), and the text that follows it starts with the text call k sampled.
-
-    The sampled tokens themselves are not repeated: the model wrote ``<tool_call>`` as ordinary text
-    pieces (guided decoding lets it), where the template writes the one special token; the JSON's BPE
-    pieces can differ as well, and the turn may end on ``<|endoftext|>`` where the template writes
-    ``<|im_end|>``. That is the engine re-tokenizing text, not the CLI rewriting its history; it is why a
-    trajectory keeps the sampled ids of each call rather than re-tokenizing the next prompt."""
-    events = sorted(run.events, key=lambda e: e.sequence)
-    for earlier, later in zip(events, events[1:]):
-        prompt, sampled = earlier.prompt_token_ids.tolist(), earlier.token_ids.tolist()
-        assert later.prompt_token_ids.tolist()[:len(prompt)] == prompt, f"call {later.sequence} rewrote the history"
-        said = _detokenize(engine_url, sampled)
-        for end in _END_OF_TURN:
-            said = said.removesuffix(end)
-        following = _detokenize(engine_url, later.prompt_token_ids.tolist()[len(prompt):])
-        assert following.startswith(said), (said, following[:len(said) + 40])
+    """On the real engine: call k+1's prompt extends call k's prompt plus the ids call k sampled, token for
+    token (``assert_prefix_chain``), a failure shown as text. It held only for the text while turns were
+    forced by a regex (the model wrote ``<tool_call>`` as ordinary text pieces); forced by token ids, the
+    sampled ids are the template's own."""
+    assert_prefix_chain(run, engine_url)
 
 
 def _detokenize(engine_url: str, ids: list[int]) -> str:
     """The engine's text for ``ids`` (vLLM's ``/detokenize``)."""
     response = httpx.post(f"{engine_url}/detokenize", json={"tokens": ids}, timeout=60)
     response.raise_for_status()
-    return response.json()["prompt"]
+    return str(response.json()["prompt"])
 
 
 def assert_no_server_errors(proxy: ProxyUnderTest, api: str, calls: int) -> None:

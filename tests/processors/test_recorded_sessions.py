@@ -2,10 +2,11 @@
 
 ``tests/fixtures/sessions/<cli>-<n>.jsonl`` (written by ``record_sessions.py`` beside them): Codex, Claude
 Code, Qwen Code and Pi each ran a scripted five-call tool session through the proxy. These are real
-events: prompts of 1.6k-20k tokens, sampled ids and logprobs as vLLM returned them. On that engine the
-forced ``<tool_call>`` is sampled as ordinary text pieces where the template writes one special token, so
-a call's prompt extends the previous prompt but not the previous call's sampled ids: prefix_merging opens
-a branch per call there, and these tests check what holds whatever the merge finds.
+events: prompts of 1.6k-20k tokens, sampled ids and logprobs as vLLM returned them. Each turn was forced
+by token ids (the engine's ``rollwire_forced_tokens`` logits processor): the model sampled the ids the chat
+template renders for it, ``<tool_call>`` and ``<|im_end|>`` as their special tokens, with the model's own
+(raw) logprobs. So a call's prompt extends the previous prompt plus the previous call's sampled ids, and
+prefix_merging makes one row of each session, as it would of a real model's.
 
 Without Kafka: both builders' invariants on every recorded session. With the real broker and a real Faust
 worker: the recorded sessions (re-keyed under fresh session ids) become the trajectories
@@ -36,6 +37,7 @@ SESSIONS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"
 RECORDED = recorded_by_cli(SESSIONS_DIR)
 SESSIONS = [(f"{cli}-{i}", events) for cli, sessions in RECORDED.items() for i, events in enumerate(sessions, 1)]
 CLIS = {"codex", "claude-code", "qwen-code", "pi"}
+TOOL_CALL_ID, TOOL_CALL_END_ID, IM_END_ID = 151657, 151658, 151645  # <tool_call>, </tool_call>, <|im_end|>
 
 
 def usable(events: list[Completion]) -> list[Completion]:
@@ -75,6 +77,33 @@ def test_recorded_events_are_as_vllm_returned_them(name: str, events: list[Compl
 
 
 @pytest.mark.parametrize(("name", "events"), SESSIONS, ids=[name for name, _ in SESSIONS])
+def test_turns_were_sampled_as_the_template_writes_them(name: str, events: list[Completion]) -> None:
+    """Every tool-call turn sampled ``<tool_call>`` … ``</tool_call>`` as the special ids and every turn ended
+    on ``<|im_end|>``, each forced id with the model's own logprob (recorded under raw_logprobs: a random
+    model gives every id a probability well below 1, never the forcing distribution's 0.0)."""
+    calls = usable(events)
+    for call in calls:
+        ids = call.token_ids.tolist()
+        assert ids[-1] == IM_END_ID, (name, call.sequence)
+        if call.finish_reason == "tool_calls":
+            assert ids[0] == TOOL_CALL_ID and ids[-2] == TOOL_CALL_END_ID, (name, call.sequence)
+        assert (call.logprobs.numpy < -1.0).all(), (name, call.sequence)
+
+
+@pytest.mark.parametrize(("name", "events"), SESSIONS, ids=[name for name, _ in SESSIONS])
+def test_prefix_merging_makes_one_row_per_session(name: str, events: list[Completion]) -> None:
+    """The sessions are linear (one agent, append-only history): one trace whose tokens are the last call's
+    prompt plus its sampled ids, every call merged into it."""
+    calls = usable(events)
+    trajectory = build("prefix_merging", events)
+    assert trajectory.stats.branches == len(trajectory.traces) == 1, name
+    assert trajectory.stats.merged == len(calls) - 1
+    [trace] = trajectory.traces
+    last = calls[-1]
+    assert np.array_equal(trace.token_ids.numpy, np.concatenate([last.prompt_token_ids.numpy, last.token_ids.numpy]))
+
+
+@pytest.mark.parametrize(("name", "events"), SESSIONS, ids=[name for name, _ in SESSIONS])
 def test_per_request_is_one_row_per_usable_completion(name: str, events: list[Completion]) -> None:
     trajectory = build("per_request", events)
     calls = usable(events)
@@ -92,8 +121,7 @@ def test_prefix_merging_trains_every_sampled_token_once(name: str, events: list[
     """Every usable call is in exactly one trace, its sampled ids at its prompt's length with mask 1 and
     their logprobs; nothing else has mask 1; a trace's arrays have one length, its last call's prompt +
     sampled ids; a call joins its predecessor's trace exactly when its prompt extends that call's
-    prompt + sampled ids (on the real engine the sampled tool-call pieces are not what the template
-    writes back, so those calls open branches)."""
+    prompt + sampled ids."""
     trajectory = build("prefix_merging", events)
     calls = usable(events)
     by_id = {c.event_id: c for c in calls}
