@@ -13,7 +13,7 @@ Two phases: ``flood`` (everything as fast as the producer can send: the worker's
 ``--rate`` events/s, or 80% of the flood's figure if that is lower: the latency from a session's end
 event being sent to its trajectory being read from ``trajectories``, p50/p99).
 
-    python -m bench.pipeline [--sessions N] [--turns T] [--tokens K] [--rate R]
+    python -m bench.pipeline [--sessions N] [--turns T] [--tokens K] [--rate R] [--workers W]
 
 Prints ``name=value`` lines, the key figure last: ``events_per_s``.
 """
@@ -100,7 +100,7 @@ class Worker:
                "ROLLWIRE_TOPIC_PREFIX": kafka.topic_prefix, "ROLLWIRE_PROCESSORS_APP_ID": app_id,
                "ROLLWIRE_PROCESSORS_DATA_DIR": str(data_dir), "ROLLWIRE_PROCESSORS_PORT": str(port),
                "ROLLWIRE_PROCESSORS_LOG_LEVEL": "warning"}
-        self.log = (data_dir.parent / "worker.log").open("wb")
+        self.log = (data_dir.parent / f"worker-{port}.log").open("wb")
         # ROLLWIRE_BENCH_PROFILE=FILE profiles the worker (cProfile) during the flood phase only (the paced
         # one with ROLLWIRE_BENCH_PROFILE_PHASE=paced).
         profile = os.environ.get("ROLLWIRE_BENCH_PROFILE")
@@ -133,6 +133,12 @@ class Worker:
     def health(self) -> dict:
         return httpx.get(self.url, timeout=5).json()
 
+    def health_ok(self) -> bool:
+        try:
+            return httpx.get(self.url, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -140,6 +146,43 @@ class Worker:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+class Workers:
+    """``n`` workers of one app (one consumer group): the partitions are shared between them."""
+
+    def __init__(self, kafka: KafkaSettings, app_id: str, home: Path, port: int, n: int) -> None:
+        self.workers = [Worker(kafka, app_id, home / f"data-{i}", port + i) for i in range(n)]
+
+    def wait_healthy(self, timeout_s: float = 180) -> None:
+        # Every member healthy at once: no rebalance going on and every table recovered.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for worker in self.workers:
+                worker.wait_healthy(max(1.0, deadline - time.monotonic()))
+            time.sleep(2)
+            if all(w.health_ok() for w in self.workers):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers did not settle")
+
+    def profiling(self, on: bool, phase: str) -> None:
+        self.workers[0].profiling(on, phase)
+
+    def cpu_s(self) -> float:
+        return sum(w.cpu_s() for w in self.workers)
+
+    def health(self) -> dict:
+        merged: dict = {}
+        for worker in self.workers:
+            for key, value in worker.health().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    merged[key] = merged.get(key, 0) + value
+        return merged
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
 
 
 async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | None, expect: int,
@@ -198,7 +241,7 @@ async def bench(args: argparse.Namespace) -> None:
     kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
     await prepare_topics(kafka, "processors")
     home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
-    worker = Worker(kafka, "processors", home / "data", args.port)
+    worker = Workers(kafka, "processors", home, args.port, args.workers)
     try:
         t0 = time.time()
         flood_sessions = make_sessions(kafka, "flood", args.sessions, args.turns, args.tokens, seed=1)
@@ -226,7 +269,7 @@ async def bench(args: argparse.Namespace) -> None:
         worker.stop()
         shutil.rmtree(home, ignore_errors=True)
         await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
-    print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent}")
+    print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent} workers={args.workers}")
     print(f"flood_completions={flood['completions']} flood_trajectories={flood['trajectories']}")
     print(f"flood_send_s={flood['send_s']:.1f}")
     # CPU per completion is what this machine's load (other processes) does not distort much.
@@ -238,7 +281,8 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"paced_worker_cpu_us_per_completion={paced_cpu_s / paced['completions'] * 1e6:.0f}")
     print(f"end_to_trajectory_p50_ms={paced['p50_ms']:.0f}")
     print(f"end_to_trajectory_max_ms={paced['max_ms']:.0f}")
-    print(f"worker_dead_lettered={health.get('dead_lettered')} worker_read_back={health.get('read_back')}")
+    print(f"worker_dead_lettered={health.get('dead_lettered')} worker_read_back={health.get('read_back')} "
+          f"worker_builds={health.get('trajectories')} worker_late={health.get('late')}")
     print(f"end_to_trajectory_p99_ms={paced['p99_ms']:.0f}")
     print(f"events_per_s={flood['events_per_s']:.0f}")
 
@@ -251,6 +295,7 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=64, help="sessions running at once")
     parser.add_argument("--rate", type=float, default=2000.0, help="paced phase: completions per second")
     parser.add_argument("--port", type=int, default=18191)
+    parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the partitions")
     asyncio.run(bench(parser.parse_args()))
 
 
