@@ -1,18 +1,22 @@
-"""What the main job shows: live progress (sessions by stage, completions recorded) and the summary table.
+"""What the main job shows: live progress (sessions by stage, completions recorded), the summary table,
+rewards per session, the groups with their advantages, and the acceptance rate of the SFT store.
 
-Everything here renders :class:`~schemas.rollouts.TaskStatus` views (as the rollout server serves them)
-with ``rich``; nothing reads Kafka or HTTP, so the same tables can be built from hand-written events.
+Everything here renders :class:`~schemas.rollouts.TaskStatus` views (as the rollout server serves them),
+:class:`~schemas.groups.Group` events and the SFT store's statistics with ``rich``; nothing reads Kafka or
+HTTP, so the same tables can be built from hand-written events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from statistics import mean
+from typing import Any
 
-from rich.console import Group
+from rich.console import Group as Lines
 from rich.table import Table
 from rich.text import Text
 
+from schemas.groups import Group
 from schemas.rollouts import SessionStatusView, TaskState, TaskStatus
 from schemas.sessions import FailureKind, SessionStage, SessionStatus
 
@@ -123,7 +127,70 @@ def failures_table(statuses: Sequence[TaskStatus]) -> Table | None:
     return table
 
 
-def outputs(topics: dict[str, str], server_url: str, task_ids: Sequence[str], files: Sequence[str]) -> Group:
+def _advantage(groups: Mapping[str, Group], task_id: str, session_id: str) -> str:
+    group = groups.get(task_id)
+    if group is None:
+        return "no group"
+    sample = next((x for x in group.samples if x.session_id == session_id), None)
+    if sample is None or sample.advantage is None:
+        return "none (infra)"  # flagged for resubmission, not trained on
+    if not sample.in_baseline:
+        return f"{sample.advantage:+.3f} (failed)"  # kept out of the baseline
+    return f"{sample.advantage:+.3f}"
+
+
+def sessions_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) -> Table:
+    """One row per session: how it ended, its calls and trajectory, its reward and its GRPO advantage."""
+    table = Table(title="rewards per session", title_justify="left")
+    for name in ("session", "status", "completions", "trajectory", "reward", "passed", "advantage"):
+        table.add_column(name, justify="left" if name in ("session", "status", "trajectory") else "right",
+                         no_wrap=name == "session")
+    for status in statuses:
+        for s in status.sessions:
+            verdict = next((e for e in s.evaluations if e.evaluator == status.evaluator), None)
+            trajectory = "-" if not s.trajectory_id else ("partial" if s.partial else f"{s.traces or 0} traces")
+            table.add_row(s.session_id, s.status.value if s.status else f"not ended ({s.stage.value})",
+                          str(s.completions), trajectory, _fmt(s.reward),
+                          "-" if verdict is None or verdict.passed is None else ("yes" if verdict.passed else "no"),
+                          _advantage(groups, status.task_id, s.session_id))
+    return table
+
+
+def groups_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) -> Table:
+    """One row per task: its group on `groups` (rewards, baseline, advantages), or why there is none yet."""
+    table = Table(title="groups emitted", title_justify="left")
+    for name in ("task", "samples", "rewards", "mean", "std", "advantages", "complete", "signal"):
+        table.add_column(name, justify="left" if name in ("task", "rewards", "advantages") else "right",
+                         no_wrap=name == "task")
+    for status in statuses:
+        group = groups.get(status.task_id)
+        if group is None:
+            missing = sum(1 for s in status.sessions if not s.trajectory_id)
+            why = (f"not yet: {missing} sessions have no trajectory (it is emitted at the task's deadline)"
+                   if missing else "not yet")
+            table.add_row(status.task_id, str(status.num_samples), why, "", "", "", "", "")
+            continue
+        rewards = " ".join(_fmt(x.reward) for x in group.samples)
+        advantages = " ".join("-" if x.advantage is None else f"{x.advantage:+.2f}" for x in group.samples)
+        table.add_row(group.task_id, str(len(group.samples)), rewards, _fmt(group.baseline_mean),
+                      _fmt(group.baseline_std), advantages, "yes" if group.complete else "no",
+                      "none (equal rewards)" if group.no_signal else "yes")
+    return table
+
+
+def acceptance_line(stats: Mapping[str, Any]) -> Text:
+    """accepted / attempted at the SFT store's threshold (and the rows written)."""
+    evaluator = stats.get("evaluator") or "any evaluator"
+    attempted, accepted = stats.get("attempted", 0), stats.get("accepted", 0)
+    rate = stats.get("acceptance_rate")
+    rate_text = "-" if rate is None else f"{100 * rate:.1f}%"
+    rows = stats.get("rows", 0)
+    note = "" if rows else " (no accepted trajectory: the SFT files have no rows)"
+    return Text(f"acceptance ({evaluator}, reward >= {stats.get('min_reward')}): {accepted}/{attempted} "
+                f"accepted = {rate_text}; SFT rows {rows}{note}")
+
+
+def outputs(topics: dict[str, str], server_url: str, task_ids: Sequence[str], files: Sequence[str]) -> Lines:
     """Where the outputs are: topics, the server's result URLs, files that sinks wrote."""
     lines = [Text("outputs", style="bold")]
     for label, name in topics.items():
@@ -133,5 +200,5 @@ def outputs(topics: dict[str, str], server_url: str, task_ids: Sequence[str], fi
     for path in files:
         lines.append(Text(f"  file {path}"))
     if not files:
-        lines.append(Text("  files: none written by sinks during this run"))
-    return Group(*lines)
+        lines.append(Text("  files: none written during this run"))
+    return Lines(*lines)

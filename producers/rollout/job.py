@@ -3,14 +3,22 @@ submit the tasks, show live progress, and end with a summary table and where the
 
 What it brings up, in order, each only if nothing answers where it should already: the Kafka broker and
 its topics, the engine (embedded vLLM CPU, or ``ROLLWIRE_ENGINE_URL``), the proxy, a trajectory worker
-(processors), the rollout server, a gateway node (``rollwire gateway-node``) and, for each evaluator the
-tasks name, ``rollwire evaluator run NAME``; a command this build does not have is reported as skipped.
-A configured port that something else holds is replaced by a free one (ports: ``--proxy-port``,
-``--server-port``, ``ROLLWIRE_PROCESSORS_PORT``, ``ROLLWIRE_GATEWAY_PORT``).
+(processors), the rollout server, a gateway node (``rollwire gateway-node``), for each evaluator the
+tasks name ``rollwire evaluator run NAME``, and the groups worker (``rollwire groups``); a command this
+build does not have is reported as skipped. A configured port that something else holds is replaced by a
+free one (ports: ``--proxy-port``, ``--server-port``, ``ROLLWIRE_PROCESSORS_PORT``,
+``ROLLWIRE_GATEWAY_PORT``, ``ROLLWIRE_GROUPS_PORT``).
+
+After the sessions end (and their trajectories and evaluations are in), the job reads this run's groups
+from `groups` (waiting up to ``GROUP_WAIT_S`` for those whose samples are all in) and runs the SFT store
+over this run's sessions into ``$ROLLWIRE_HOME/runs/<run id>/sft/`` (``sft.jsonl``, ``sft.parquet``,
+``decisions.jsonl``, ``stats.json``; accepted = the tasks' evaluator's reward at or above
+``SFT_MIN_REWARD``). It prints rewards per session, the groups with their advantages, the acceptance
+rate, and where the outputs are.
 
 Afterwards the base stack (broker, engine, proxy, processors) keeps running, as after ``rollwire up``
-(``rollwire down`` stops it); the rollout server, gateway node and evaluators that the job started are
-stopped unless ``--keep-services``.
+(``rollwire down`` stops it); the rollout server, gateway node, evaluators and groups worker that the job
+started are stopped unless ``--keep-services``.
 
 Task ids get a per-run suffix (``{task_id}-r{run}``) so that a tasks file can be run again (a task id is
 accepted once). Exit code: 0 when every session ended and none failed for infrastructure reasons; 1
@@ -35,17 +43,32 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 
-from producers.rollout.display import failures_table, outputs, progress_line, progress_table, summary_table
+from producers.rollout.display import (
+    acceptance_line,
+    failures_table,
+    groups_table,
+    outputs,
+    progress_line,
+    progress_table,
+    sessions_table,
+    summary_table,
+)
+from producers.rollout.results import collect
 from producers.rollout.settings import RolloutServerSettings
 from producers.rollout.taskfile import BadLine, Overrides, load_tasks, post_task
 from schemas.rollouts import TaskState, TaskStatus, TaskSubmitted
 from schemas.sessions import FailureKind
 from schemas.topics import Topic
 from schemas.transport.settings import KafkaSettings
+from sinks.sft import SftCriteria
 
 POLL_S = 1.0
 TRAJECTORY_WAIT_S = 120.0
 """After the tasks are done, how long to wait for trajectories of sessions that made model calls."""
+GROUP_WAIT_S = 90.0
+"""Then how long to wait for the groups of tasks whose samples all have their trajectory."""
+SFT_MIN_REWARD = 1.0
+"""The SFT store's acceptance threshold (the `tests` evaluator scores 1 for a pass)."""
 
 
 class JobSetupError(Exception):
@@ -170,9 +193,13 @@ class Stack:
     proxy_url: str = ""
     server_url: str = ""
     started: list[object] = field(default_factory=list)
-    """The job-specific processes this job started (rollout server, gateway node, evaluators)."""
+    """The job-specific processes this job started (rollout server, gateway node, evaluators, groups)."""
+    names: set[str] = field(default_factory=set)
+    """The parts that run (started or reused)."""
 
     def _say(self, part: str, state: str, detail: str = "") -> None:
+        if state in ("reused", "started"):
+            self.names.add(part)
         colour = {"reused": "cyan", "started": "green", "skipped": "yellow"}.get(state, "white")
         self.console.print(f"  {part:<16} [{colour}]{state}[/{colour}] {detail}")
 
@@ -268,6 +295,26 @@ class Stack:
         self._gateway_up(kafka)
         for name in sorted(evaluators):
             self._evaluator_up(kafka, name)
+        self._groups_up(kafka)
+
+    def _groups_up(self, kafka: KafkaSettings) -> None:
+        from deploy.services import ServiceProcess
+
+        if not _has_command("groups"):
+            self._say("groups", "skipped", "this build has no `rollwire groups`")
+            return
+        from processors.groups.settings import GroupSettings
+
+        groups = GroupSettings()
+        port, running = self._pick_port("groups", groups.host, groups.port, "/health", "ROLLWIRE_GROUPS_PORT", None)
+        if running:
+            self._say("groups", "reused", f"http://{groups.host}:{port}")
+            return
+        service = ServiceProcess(name="groups", args=("groups",), health_url=f"http://{groups.host}:{port}/health",
+                                 env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
+        service.start(timeout_s=180)
+        self.started.append(service)
+        self._say("groups", "started", f"http://{groups.host}:{port}")
 
     def _gateway_up(self, kafka: KafkaSettings) -> None:
         from deploy.services import ServiceProcess
@@ -461,11 +508,28 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         if failures is not None:
             console.print(failures)
         assert stack.kafka is not None
+        evaluator_names = {s.evaluator for s in statuses}
+        criteria = SftCriteria(min_reward=SFT_MIN_REWARD,
+                               evaluator=evaluator_names.pop() if len(evaluator_names) == 1 else None)
+        sft_dir = _home() / "runs" / run_id / "sft"
+        expected = [t.task_id for t in statuses if t.sessions and all(s.trajectory_id for s in t.sessions)]
+        console.print(f"reading this run's groups and building its SFT dataset in {sft_dir} …", highlight=False)
+        try:
+            groups, sft = collect(stack.kafka, task_ids, [s.session_id for t in statuses for s in t.sessions],
+                                  expected, GROUP_WAIT_S if "groups" in stack.names else 0.0, sft_dir, criteria)
+        except Exception as exc:  # noqa: BLE001 - the run's summary is still worth printing
+            console.print(f"[red]reading groups / building the SFT dataset failed: {exc!r}[/red]", highlight=False)
+            groups, sft = {}, {}
+        console.print(sessions_table(statuses, groups))
+        console.print(groups_table(statuses, groups))
+        if sft:
+            console.print(acceptance_line(sft))
         registry = stack.kafka.registry()
         topics = {t.value: registry.name(t) for t in (Topic.TASKS, Topic.SESSIONS, Topic.SESSION_EVENTS,
                                                       Topic.COMPLETIONS, Topic.TRAJECTORIES, Topic.EVALUATIONS,
                                                       Topic.GROUPS)}
-        console.print(outputs(topics, stack.server_url, task_ids, _sink_files(started_at)))
+        files = [*sft.get("files", {}).values(), *_sink_files(started_at)]
+        console.print(outputs(topics, stack.server_url, task_ids, files))
         if stack.started and not options.keep_services:
             console.print("  (the results are served while a rollout server runs: `rollwire rollout-server` "
                           "rebuilds them from the topics)", highlight=False)
@@ -477,6 +541,7 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         code = exit_code(statuses)
         if code == 0 and bad:
             code = 2
+        console.print(f"wall time {time.time() - started_at:.0f} s, exit code {code}", highlight=False)
         return code
     finally:
         if not options.keep_services and stack.started:

@@ -1,8 +1,8 @@
 """The rollout server (FastAPI): accepts TaskRequests, writes them to Kafka, serves their status.
 
 ``POST /v1/tasks``: validate (422 naming the field; 409 for a task id already accepted), write the
-`task.accepted` event and one SessionSpec per sample in one Kafka transaction (all or nothing), answer
-202 with the session ids once the broker has them. ``GET /v1/tasks/{task_id}``: every session's status,
+SessionSpecs (one per sample), then the `task.accepted` event, answer 202 with the session ids once the
+broker has acknowledged them all. ``GET /v1/tasks/{task_id}``: every session's status,
 derived from the events (producers.rollout.status). ``GET /v1/tasks/{task_id}/result``: the result once
 the task is done (202 with the status before). ``GET /v1/tasks``: one line per task. ``GET /health``:
 200 once the server has read the log up to its end (503 before: until then it cannot tell a new task id
@@ -16,7 +16,6 @@ both accept the same new task id in the instant before each reads the other's).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -57,9 +56,13 @@ class RolloutService:
     _reserved: set[str] = field(default_factory=set)
 
     async def start(self) -> None:
-        # A fresh transactional id per process: a task's events are written all together or not at all.
-        self.producer = EventProducer(self.kafka, service="rollout-server",
-                                      transactional_id=f"rollout-server-{uuid.uuid4().hex}")
+        # Not transactional: a transaction's commit marker takes an offset of its own on each partition, and
+        # the trajectory worker tells that it has read a `sessions` partition to its end by comparing its
+        # last record's offset with the high watermark, which a trailing marker keeps one ahead (sessions
+        # were then never built). Specs go first and task.accepted last, so a task the log shows as
+        # accepted has all its specs; a crash in between leaves specs whose task a retry accepts again
+        # (same session ids, same keys on the compacted topic).
+        self.producer = EventProducer(self.kafka, service="rollout-server")
         await self.producer.start()
         self.feed = StatusFeed(self.kafka, self.view, self._finished,
                                count_completions=self.settings.count_completions)
@@ -95,8 +98,8 @@ class RolloutService:
             assert self.producer is not None
             async with self._lock:
                 try:
-                    async with self.producer.transaction():
-                        await self.producer.send_many([*specs, accepted])
+                    await self.producer.send_many(list(specs))
+                    await self.producer.send_many([accepted])
                 except TransportError as exc:
                     raise KafkaUnavailable(f"task {request.task_id!r} not recorded: {exc}") from exc
             # Seen at once by status queries; the feed's later copy of the same event changes nothing.

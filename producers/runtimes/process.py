@@ -3,22 +3,168 @@
 The command starts in a new session (so in its own process group); at its timeout, on cancellation, and
 after it exits (a harness can leave background children behind, holding its pipes) the whole group is
 killed — SIGTERM, then SIGKILL after a grace period.
+
+Nothing of a command outlives the process that started it (a gateway node), however that process ends
+(SIGKILL included, where no cleanup code runs):
+
+- the command's own process gets ``PR_SET_PDEATHSIG`` = SIGKILL (Linux): the kernel kills it when the
+  thread that started it (the event loop's) exits;
+- its children (a harness's tool commands, servers it started) are in its process group, which a
+  :class:`GroupReaper` kills: a tiny helper process, started once per parent, that holds the read end of a
+  pipe on which the parent registers each running group. The write end is only ever in the parent, so the
+  helper reads end-of-file exactly when the parent is gone, and then kills every group still registered
+  (SIGTERM, then SIGKILL after a second).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import logging
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from producers.runtimes.base import CommandResult
 
 OUTPUT_TAIL_BYTES = 256 * 1024
 """How much of each stream a CommandResult keeps (the end: a harness's result is its last output)."""
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+REAPER_GRACE_S = 1.0
+"""After its parent is gone, how long the reaper waits between SIGTERM and SIGKILL of the groups."""
+
+# The reaper: reads "+PGID" / "-PGID" lines; at end of input (its parent is gone) kills what is registered.
+_REAPER_SCRIPT = f"""
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin.buffer:
+    try:
+        op, pgid = line[:1], int(line[1:])
+    except ValueError:
+        continue
+    if op == b"+":
+        groups.add(pgid)
+    elif op == b"-":
+        groups.discard(pgid)
+def signal_all(signum):
+    alive = set()
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signum)
+            alive.add(pgid)
+        except OSError:
+            pass
+    return alive
+if signal_all(signal.SIGTERM):
+    time.sleep({REAPER_GRACE_S})
+    signal_all(signal.SIGKILL)
+"""
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child get SIGKILL when the calling thread (its parent) exits."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nothing would deliver the signal
+            os._exit(1)
+
+    return preexec
+
+
+class GroupReaper:
+    """Kills the registered process groups once this process is gone (see the module docstring).
+
+    One per process (:func:`reaper`); started on first use, and again after a fork or if it died."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._owner = 0
+        self._groups: set[int] = set()
+
+    def _ensure(self) -> subprocess.Popen[bytes] | None:
+        process = self._process
+        if process is not None and self._owner == os.getpid() and process.poll() is None:
+            return process
+        try:
+            process = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER_SCRIPT], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                                       start_new_session=True)
+        except OSError as exc:
+            logger.warning("no process-group reaper (%s): commands may outlive this process if it is killed", exc)
+            return None
+        self._process, self._owner = process, os.getpid()
+        for pgid in self._groups:  # a restarted reaper learns the groups still running
+            self._write(process, f"+{pgid}\n")
+        return process
+
+    def _write(self, process: subprocess.Popen[bytes], line: str) -> bool:
+        assert process.stdin is not None
+        try:
+            process.stdin.write(line.encode())
+            process.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            return False
+        return True
+
+    def register(self, pgid: int) -> None:
+        with self._lock:
+            self._groups.add(pgid)
+            process = self._ensure()
+            if process is not None and not self._write(process, f"+{pgid}\n"):
+                self._process = None
+                self._ensure()
+
+    def unregister(self, pgid: int) -> None:
+        with self._lock:
+            self._groups.discard(pgid)
+            if self._process is not None and self._owner == os.getpid():
+                self._write(self._process, f"-{pgid}\n")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+
+_REAPER = GroupReaper()
+
+
+def reaper() -> GroupReaper:
+    """This process's reaper."""
+    return _REAPER
 
 
 async def _read_tail(stream: asyncio.StreamReader, limit: int) -> bytes:
@@ -81,9 +227,19 @@ async def run_process_group(argv: Sequence[str], *, cwd: Path, env: Mapping[str,
     """Run ``argv`` in ``cwd`` with exactly ``env``; kill its process group at ``timeout_s`` or on cancellation."""
     started = time.monotonic()
     process = await asyncio.create_subprocess_exec(
-        *argv, cwd=cwd, env=dict(env), start_new_session=True,
+        *argv, cwd=cwd, env=dict(env), start_new_session=True, preexec_fn=die_with_parent(),
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _REAPER.register(process.pid)
+    try:
+        return await _supervise(process, stdin=stdin, timeout_s=timeout_s, kill_grace_s=kill_grace_s,
+                                output_limit=output_limit, started=started)
+    finally:
+        _REAPER.unregister(process.pid)
+
+
+async def _supervise(process: asyncio.subprocess.Process, *, stdin: str | None, timeout_s: float,
+                     kill_grace_s: float, output_limit: int, started: float) -> CommandResult:
     assert process.stdout is not None and process.stderr is not None
     readers = (asyncio.ensure_future(_read_tail(process.stdout, output_limit)),
                asyncio.ensure_future(_read_tail(process.stderr, output_limit)))

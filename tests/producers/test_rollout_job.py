@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -16,11 +17,20 @@ from rich.console import Console
 
 from bench.standin_engine import StandinConfig, create_app as create_standin
 from producers.rollout import job as rollout_job
-from producers.rollout.display import progress_line, progress_table, stage_counts, summary_table
+from producers.rollout.display import (
+    acceptance_line,
+    groups_table,
+    progress_line,
+    progress_table,
+    sessions_table,
+    stage_counts,
+    summary_table,
+)
 from producers.rollout.expand import expand
 from producers.rollout.status import RolloutView
 from producers.rollout.taskfile import Overrides, load_tasks
 from schemas.evaluations import Evaluation
+from schemas.groups import Group, GroupSample
 from schemas.rollouts import TaskState
 from schemas.sessions import FailureKind, SessionEnded, SessionStage, SessionStageChanged, SessionStatus
 from schemas.tasks import EvaluatorSpec, TaskRequest
@@ -54,6 +64,20 @@ def test_example_tasks_are_real_failing_repos(tmp_path: Path) -> None:
         run = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=work, capture_output=True, text=True,
                              timeout=60)
         assert run.returncode != 0 and "FAILED" in run.stderr, run.stderr
+
+    # The scripted example forces Qwen Code's turns: a tool call whose command fixes the bug, then an answer.
+    (scripted,), bad = load_tasks(EXAMPLES.with_name("tasks-scripted.jsonl"), Overrides())
+    assert bad == [] and scripted.request.agent.harness == "qwen-code"
+    regexes = [turn["structured_outputs"]["regex"] for turn in scripted.request.engine.turns]
+    assert len(regexes) == 2 and "run_shell_command" in regexes[0]
+    # The literal the regex matches: every escaped character as itself, ``\\n`` as a newline.
+    call = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), regexes[0])
+    command = json.loads(call.split("\n")[1])["arguments"]["command"]
+    work = tmp_path / "scripted"
+    shutil.copytree(Path(scripted.request.runtime.repo or ""), work)
+    subprocess.run(["sh", "-c", command], cwd=work, check=True, timeout=30)
+    run = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=work, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
 
 
 def _finished_view() -> tuple[RolloutView, str]:
@@ -108,6 +132,23 @@ def test_display_shows_stages_then_the_summary() -> None:
     assert cells[10:12] == ["3.0", "-"] and cells[12] == "3.5"
     assert rollout_job.exit_code([status]) == 1  # one infrastructure failure
 
+    # Rewards per session with each sample's advantage from the task's group, and the groups table.
+    group = Group(task_id=task_id, evaluator="tests", baseline_mean=1.0, baseline_std=0.0, no_signal=True, samples=[
+        GroupSample(session_id=a, reward=1.0, advantage=0.0, in_baseline=True),
+        GroupSample(session_id=b, reward=0.0, advantage=0.0, in_baseline=False, status=SessionStatus.ERROR),
+        GroupSample(session_id=c, advantage=None, in_baseline=False, failure=FailureKind.INFRASTRUCTURE)])
+    sessions = _render(sessions_table([status], {task_id: group}))
+    cells = {row.strip("│ ").split("│")[0].strip(): [c.strip() for c in row.strip("│ ").split("│")[1:]]
+             for row in sessions.splitlines() if row.startswith("│")}
+    assert cells[a] == ["completed", "3", "0 traces", "1.00", "yes", "+0.000"], cells
+    assert cells[b][3:] == ["0.00", "no", "+0.000 (failed)"] and cells[c][5] == "none (infra)", cells
+    assert "no group" in _render(sessions_table([status], {}))
+    table = _render(groups_table([status], {task_id: group}))
+    assert "1.00 0.00 -" in table and "none (equal rewards)" in table, table
+    assert "not yet: 2 sessions have no trajectory" in _render(groups_table([status], {}))
+    assert "1/2 accepted = 50.0%" in acceptance_line({"evaluator": "tests", "min_reward": 1.0, "attempted": 2,
+                                                      "accepted": 1, "acceptance_rate": 0.5, "rows": 1}).plain
+
 
 async def test_follow_waits_for_the_task_on_a_real_server(kafka: KafkaSettings, tmp_path: Path) -> None:
     import httpx
@@ -131,41 +172,101 @@ async def test_follow_waits_for_the_task_on_a_real_server(kafka: KafkaSettings, 
     assert "queued=2" in text and "running=1" in text and "tasks done 1/1" in text
 
 
-def test_job_brings_up_a_stack_and_summarizes(kafka_bootstrap: str, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole job in a private home and topic prefix over the stand-in engine: it starts a proxy,
-    processors and a rollout server (a gateway node where this build has one), submits a `command`
-    harness task, and reports; without a gateway node nothing runs the session, so it ends with exit 1."""
-    from deploy import cli as deploy_cli
+HARNESS = """
+import json, pathlib, sys, urllib.request
+base_url, api_key, model, session_id = sys.argv[1:5]
+messages = [{"role": "user", "content": "Fix calc.py so that the tests pass."}]
+for turn in range(2):  # two model calls through the proxy, the second continuing the first
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": 8}).encode()
+    request = urllib.request.Request(base_url + "/chat/completions", data=body, headers={
+        "Authorization": "Bearer " + api_key, "Content-Type": "application/json"})
+    reply = json.load(urllib.request.urlopen(request, timeout=60))["choices"][0]["message"]
+    messages += [{"role": "assistant", "content": reply.get("content") or ""},
+                 {"role": "user", "content": "Go on."}]
+if session_id.endswith("-s0"):  # only the first sample fixes the bug: the group has a reward spread
+    pathlib.Path("calc.py").write_text("def add(a, b):\\n    return a + b\\n")
+"""
 
+
+def _task_repo(root: Path) -> Path:
+    repo = root / "repo"
+    repo.mkdir()
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "test_calc.py").write_text("import unittest\nfrom calc import add\n\n\nclass T(unittest.TestCase):\n"
+                                       "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n")
+    return repo
+
+
+def test_job_runs_sessions_and_delivers_rewards_groups_and_sft(kafka_bootstrap: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole job in a private home and topic prefix over the stand-in engine: it starts a proxy,
+    processors, a rollout server, a gateway node, the `tests` evaluator and the groups worker, runs a
+    `command` harness (two model calls; sample 0 fixes the bug, sample 1 does not) and reports rewards,
+    the group with its advantages, the acceptance rate and an SFT dataset that `datasets` loads."""
+    import datasets
+
+    from deploy import cli as deploy_cli
+    from deploy.kafka import delete_topics
+    from producers.rollout.results import read_groups
+
+    script = tmp_path / "harness.py"
+    script.write_text(HARNESS)
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"task_id": "job", "instruction": "say hi", "num_samples": 1, "timeout_s": 60,
-                                 "agent": {"harness": "command", "command": "echo {instruction}"}}) + "\n")
+    tasks.write_text(json.dumps({
+        "task_id": "job", "instruction": "fix calc.py", "num_samples": 2, "timeout_s": 120,
+        "runtime": {"kind": "local", "repo": str(_task_repo(tmp_path))},
+        "agent": {"harness": "command", "command": f"{sys.executable} {script} {{base_url}} {{api_key}} "
+                                                   "{model} {session_id}"},
+        "evaluator": {"name": "tests", "settings": {"command": f"{sys.executable} -m unittest -q",
+                                                    "timeout_s": 60}}}) + "\n")
+    home = tmp_path / "home"
     with serve(create_standin(StandinConfig(latency_ms=1, reply_tokens=8))) as engine_url:
-        for name, value in {"ROLLWIRE_HOME": str(tmp_path / "home"), "ROLLWIRE_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        for name, value in {"ROLLWIRE_HOME": str(home), "ROLLWIRE_KAFKA_BOOTSTRAP": kafka_bootstrap,
                             "ROLLWIRE_TOPIC_PREFIX": f"j{uuid.uuid4().hex[:8]}.", "ROLLWIRE_ENGINE_URL": engine_url,
                             "ROLLWIRE_PROXY_PORT": str(free_port()), "ROLLWIRE_PROCESSORS_PORT": str(free_port()),
                             "ROLLWIRE_PROCESSORS_STORE": "memory", "ROLLWIRE_ROLLOUT_PORT": str(free_port()),
-                            "ROLLWIRE_GATEWAY_PORT": str(free_port()), "ROLLWIRE_SESSION_PARTITIONS": "2",
+                            "ROLLWIRE_GATEWAY_PORT": str(free_port()), "ROLLWIRE_GROUPS_PORT": str(free_port()),
+                            "ROLLWIRE_GROUPS_STORE": "memory", "ROLLWIRE_SESSION_PARTITIONS": "2",
                             "ROLLWIRE_TASK_PARTITIONS": "1"}.items():
             monkeypatch.setenv(name, value)
         console = Console(record=True, width=220, color_system=None)
-        has_gateway = rollout_job._has_command("gateway-node")
+        kafka = KafkaSettings()
         try:
-            code = rollout_job.run_job(rollout_job.JobOptions(tasks_file=tasks, timeout_s=10 if not has_gateway
-                                                              else 90, live=False), console)
+            code = rollout_job.run_job(rollout_job.JobOptions(tasks_file=tasks, timeout_s=240, live=False), console)
+            task_id = next(line.split("/v1/tasks/")[1].split("/")[0] for line in console.export_text(clear=False).splitlines()
+                           if "/v1/tasks/job-r" in line)
+            groups = asyncio.run(read_groups(kafka, [task_id], [task_id], 0))
         finally:
-            kafka = KafkaSettings()
             deploy_cli._proxy_service(kafka, engine_url).stop()
             deploy_cli._processors_service(kafka).stop()
+            asyncio.run(delete_topics(kafka_bootstrap, kafka.topic_prefix))  # the workers' own topics too
     text = console.export_text()
-    assert "proxy            started" in text and "processors       started" in text, text
-    assert "rollout-server   started" in text and "stopped rollout-server" in text, text
-    assert "submitted 1 tasks, 1 sessions" in text and "rollout summary" in text, text
-    assert "trajectories" in text and "/v1/tasks/job-r" in text, text
-    if has_gateway:
-        assert "gateway-node     started" in text, text
-        assert code == 0 and "completed" in text, text  # `echo` ran as the harness; no model call, no trajectory due
-    else:
-        assert "gateway-node     skipped" in text, text
-        assert code == 1 and "not ended (queued)" in text, text
+    for part in ("proxy", "processors", "rollout-server", "gateway-node", "evaluator tests", "groups"):
+        assert f"{part:<16} started" in text, text
+    assert "stopped groups" in text and "stopped gateway-node" in text, text
+    assert code == 0, text
+    assert "submitted 1 tasks, 2 sessions" in text and "rollout summary" in text, text
+    # Rewards per session: sample 0 passed, sample 1 did not.
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in text.splitlines() if line.startswith("│ job-r")}
+    s0, s1 = (rows[f"{task_id}-s{i}"] for i in (0, 1))
+    assert s0[0] == "completed" and s0[1] == "2" and s0[3:5] == ["1.00", "yes"], s0
+    assert s1[3:5] == ["0.00", "no"], s1
+    # The group: both samples, advantages of opposite signs, on `groups` and in the table.
+    group = groups[task_id]
+    advantages = {x.session_id: x.advantage for x in group.samples}
+    assert advantages[f"{task_id}-s0"] > 0 > advantages[f"{task_id}-s1"], group
+    assert not group.no_signal and group.evaluator == "tests"
+    assert s0[5] == f"{advantages[task_id + '-s0']:+.3f}", s0
+    assert "acceptance (tests, reward >= 1.0): 1/2 accepted = 50.0%" in text, text
+    # The SFT output: sample 0's trajectory, in chat-messages form, loaded by `datasets`.
+    (sft,) = home.glob("runs/*/sft/sft.jsonl")
+    assert str(sft) in text and str(sft.with_suffix(".parquet")) in text, text
+    rows = datasets.load_dataset("json", data_files=str(sft), split="train")
+    assert rows.num_rows >= 1 and set(rows["session_id"]) == {f"{task_id}-s0"}
+    first = rows[0]
+    assert first["reward"] == 1.0 and first["evaluator"] == "tests"
+    assert [m["role"] for m in first["messages"]][:2] == ["user", "assistant"]
+    assert len(first["token_ids"]) == len(first["loss_mask"]) > 0 and any(first["loss_mask"])
+    parquet = datasets.load_dataset("parquet", data_files=str(sft.with_suffix(".parquet")), split="train")
+    assert parquet.num_rows == rows.num_rows
