@@ -175,7 +175,7 @@ class SessionAggregator:
                 await self._flush(touched)
                 await self._control(record)
                 continue
-            self.progress.saw(record.topic, record.partition, record.offset, record.timestamp)
+            self.progress.saw(record.topic, record.partition, record.offset, record.timestamp, self.clock())
             partitions.add(record.partition)
             spec = self.registry.by_name(record.topic)
             try:

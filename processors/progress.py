@@ -7,11 +7,19 @@ its partition of each other input must be read up to the end event's record time
 record has been processed there (its watermark passed), or the partition is drained (our last processed
 offset reaches the consumer's high watermark). This is derived from the stream, kept in memory, and
 reset at every rebalance.
+
+A transactional producer's commit (or abort) marker takes an offset no consumer ever sees, so a partition
+whose last record came from a transaction stays one or a few offsets short of its high watermark. Such a
+small gap counts as drained once nothing more has arrived from that partition for ``settle_s``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
+
+# How many offsets at a partition's end may be transaction markers (one per transaction that wrote to it).
+MARKER_GAP = 4
 
 
 class InputProgress:
@@ -21,17 +29,20 @@ class InputProgress:
         self.settle_s = settle_s
         self._offsets: dict[tuple[str, int], int] = {}
         self._watermarks: dict[tuple[str, int], float] = {}
+        self._processed_at: dict[tuple[str, int], float] = {}  # worker clock of the last record seen
         self.active_since: float | None = None
 
     def reset(self) -> None:
         """Forget everything (partitions were revoked or assigned)."""
         self._offsets.clear()
         self._watermarks.clear()
+        self._processed_at.clear()
         self.active_since = None
 
-    def saw(self, topic: str, partition: int, offset: int, timestamp: float) -> None:
-        self._offsets[topic, partition] = offset
+    def saw(self, topic: str, partition: int, offset: int, timestamp: float, now: float | None = None) -> None:
         tp = (topic, partition)
+        self._offsets[tp] = offset
+        self._processed_at[tp] = time.time() if now is None else now
         if timestamp > self._watermarks.get(tp, 0.0):
             self._watermarks[tp] = timestamp
 
@@ -48,7 +59,12 @@ class InputProgress:
         end = highwater(topic, partition)
         last = self._offsets.get(tp)
         if last is not None:
-            return end is not None and last + 1 >= end
+            if end is None:
+                return False
+            if last + 1 >= end:
+                return True
+            # Only transaction markers may be left: quiet for settle_s, the partition is drained.
+            return end - (last + 1) <= MARKER_GAP and now - self._processed_at[tp] >= self.settle_s
         if end == 0:
             return True  # empty partition
         # Nothing delivered from it since the (re)start: once the worker has been active for settle_s,

@@ -13,6 +13,7 @@ from typing import Any
 
 from processors.aggregate import Outputs, SessionAggregator, Tables
 from processors.payloads import PayloadCache
+from processors.progress import InputProgress
 from processors.sessions import CallRef, OpenSession
 from schemas.codec import encode_event
 from schemas.topics import Topic, TopicRegistry
@@ -237,3 +238,17 @@ async def test_a_flush_drops_writes_of_partitions_no_longer_ours() -> None:
         await aggregator.handle_batch((record,))
     assert aggregator.flush(lambda partition: False) == 0
     assert tables.open == {} and tables.specs == {} and aggregator.t.open.get(b"d1") is None
+
+
+def test_a_partition_ending_in_transaction_markers_counts_as_drained_once_quiet() -> None:
+    """A transactional producer's commit marker takes an offset no consumer sees: the last record read is
+    one short of the high watermark. That gap counts as drained after settle_s without records, not before;
+    a gap larger than a few markers never does."""
+    progress = InputProgress(settle_s=1.0)
+    progress.saw("c", 0, 41, timestamp=5.0, now=100.0)
+    highwater = {("c", 0): 43, ("d", 0): 60}
+    ends = lambda topic, partition: highwater[topic, partition]  # noqa: E731
+    assert not progress.read_up_to(["c"], 0, ts=9.0, now=100.5, highwater=ends)
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=101.0, highwater=ends)
+    progress.saw("d", 0, 41, timestamp=5.0, now=100.0)  # 18 records still to read: lagging, not markers
+    assert not progress.read_up_to(["d"], 0, ts=9.0, now=500.0, highwater=ends)
