@@ -1,8 +1,8 @@
 """rollwire's own services (the proxy, the processors) as detached local processes.
 
 A :class:`ServiceProcess` runs one ``python -m deploy.cli <command>`` in its own session with a pid file
-and a log under ``$ROLLWIRE_HOME/<name>/``, waits for its health URL, and stops it with SIGTERM (then
-SIGKILL). ``rollwire up/down/status`` drive them beside the broker and the engine.
+and a log under ``$ROLLWIRE_HOME/<name>/``, waits for its health URL (or, for a service without one such
+as an evaluator, for it to stay alive a few seconds), and stops it with SIGTERM (then SIGKILL). ``rollwire up/down/status`` drive them beside the broker and the engine.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ class ServiceProcess:
 
     name: str
     args: tuple[str, ...]
-    health_url: str
+    health_url: str | None
     env: dict[str, str] = field(default_factory=dict)
+    settle_s: float = 3.0  # without a health URL: how long it must stay alive to count as started
     home: Path = field(default_factory=lambda: Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser())
 
     @property
@@ -52,6 +53,8 @@ class ServiceProcess:
         return pid if b"deploy.cli" in cmdline else None
 
     def healthy(self) -> bool:
+        if self.health_url is None:
+            return self.pid() is not None
         try:
             return httpx.get(self.health_url, timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -61,7 +64,7 @@ class ServiceProcess:
         """Start the service unless it already runs; return once it answers its health URL."""
         if self.pid() is not None and self.healthy():
             return
-        if self.pid() is None and self.healthy():
+        if self.pid() is None and self.health_url is not None and self.healthy():
             # Another process (an earlier stack with another ROLLWIRE_HOME, a stray worker) holds the port:
             # its answers would pass for ours while ours dies on the taken address.
             raise ServiceStartError(f"something that is not this stack's {self.name} already answers "
@@ -72,14 +75,17 @@ class ServiceProcess:
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env={**os.environ, **self.env}, start_new_session=True)
         self.pid_file.write_text(str(process.pid))
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (timeout_s if self.health_url is not None else self.settle_s)
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-30:])
+                self.pid_file.unlink(missing_ok=True)
                 raise ServiceStartError(f"{self.name} exited with code {process.returncode}:\n{tail}")
-            if self.healthy():
+            if self.health_url is not None and self.healthy():
                 return
             time.sleep(0.3)
+        if self.health_url is None:
+            return
         self.stop()
         raise ServiceStartError(f"{self.name} did not answer {self.health_url} within {timeout_s:.0f} s; "
                                 f"see {self.log_file}")

@@ -24,6 +24,7 @@ from faust.streams import _current_event  # what Faust tables read a write's par
 from faust.types import TP
 
 from processors.aggregate import Outputs, SessionAggregator, Tables
+from processors.health import serve_health
 from processors.payloads import LogReader
 from processors.settings import ProcessorSettings
 from processors.topics import app_id, changelog_configs, control_topic
@@ -208,27 +209,12 @@ async def _assigned(sender: faust.App, assigned: set[TP], **kwargs: object) -> N
 
 @app.on_before_shutdown.connect
 async def _stopping(sender: faust.App, **kwargs: object) -> None:
+    flush()  # a clean stop leaves nothing to redo
     await log_reader.stop()
 
 
 @app.task
 async def health() -> None:
     """``GET /health`` on ROLLWIRE_PROCESSORS_HOST:PORT: 200 once tables are recovered, else 503."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await asyncio.wait_for(reader.readline(), 5)
-            ok = app.tables.recovery.completed.is_set() and not app.rebalancing
-            body = orjson.dumps({"ok": ok, **aggregator.counters, "open_in_flight": len(aggregator.in_flight)})
-            status = b"200 OK" if ok else b"503 Service Unavailable"
-            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-            await writer.drain()
-        except (OSError, asyncio.TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(answer, conf.host, conf.port)
-    async with server:
-        await server.serve_forever()
+    await serve_health(app, conf.host, conf.port,
+                       lambda: {**aggregator.counters, "open_in_flight": len(aggregator.in_flight)})

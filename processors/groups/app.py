@@ -22,7 +22,6 @@ re-emitted group has the same event id (assembly.group_event_id), which readers 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -44,6 +43,7 @@ from processors.groups.assembly import (
 )
 from processors.groups.cli import by_task_topic
 from processors.groups.settings import GroupSettings
+from processors.health import serve_health
 from processors.intake import dead_letter
 from schemas.codec import EventDecodeError, check_envelope, decode_event, encode_event, event_headers
 from schemas.envelope import Event, utcnow
@@ -252,21 +252,4 @@ async def deadlines() -> None:
 @app.task
 async def health() -> None:
     """``GET /health`` on ROLLWIRE_GROUPS_HOST:PORT: 200 once the table is recovered, else 503."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await asyncio.wait_for(reader.readline(), 5)
-            ok = app.tables.recovery.completed.is_set() and not app.rebalancing
-            body = orjson.dumps({"ok": ok, **counters})
-            status = b"200 OK" if ok else b"503 Service Unavailable"
-            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-            await writer.drain()
-        except (OSError, asyncio.TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(answer, conf.host, conf.port)
-    async with server:
-        await server.serve_forever()
+    await serve_health(app, conf.host, conf.port, lambda: dict(counters))

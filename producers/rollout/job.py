@@ -31,10 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +40,8 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 
+from deploy.errors import DeployError
+from deploy.services import ServiceProcess
 from producers.rollout.display import (
     acceptance_line,
     failures_table,
@@ -127,59 +126,6 @@ def _has_command(*path: str) -> bool:
     return True
 
 
-@dataclass
-class Detached:
-    """A `rollwire` command without a health URL, run in the background (pid file and log under
-    ``$ROLLWIRE_HOME/<name>/``); it counts as up once it has stayed alive for ``settle_s``."""
-
-    name: str
-    args: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-    home: Path = field(default_factory=lambda: Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser())
-
-    @property
-    def pid_file(self) -> Path:
-        return self.home / self.name / f"{self.name}.pid"
-
-    @property
-    def log_file(self) -> Path:
-        return self.home / self.name / f"{self.name}.log"
-
-    def pid(self) -> int | None:
-        try:
-            pid = int(self.pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            return None
-        return pid if b"deploy.cli" in cmdline else None
-
-    def start(self, settle_s: float = 3.0) -> None:
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_file.open("ab") as log:
-            process = subprocess.Popen([sys.executable, "-m", "deploy.cli", *self.args], stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env={**os.environ, **self.env}, start_new_session=True)
-        self.pid_file.write_text(str(process.pid))
-        deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-15:])
-                self.pid_file.unlink(missing_ok=True)
-                raise JobSetupError(f"{self.name} exited with code {process.returncode}:\n{tail}")
-            time.sleep(0.2)
-
-    def stop(self, timeout_s: float = 15) -> None:
-        pid = self.pid()
-        if pid is not None:
-            os.killpg(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while self.pid() is not None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if self.pid() is not None:
-                os.killpg(pid, signal.SIGKILL)
-        self.pid_file.unlink(missing_ok=True)
-
-
 # ---- the stack ----------------------------------------------------------------------------------------
 
 
@@ -219,7 +165,6 @@ class Stack:
     def up(self, evaluators: set[str]) -> None:
         from deploy import cli as deploy_cli
         from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
-        from deploy.services import ServiceProcess
         from processors.settings import ProcessorSettings
         from proxy.settings import ProxySettings
 
@@ -298,7 +243,6 @@ class Stack:
         self._groups_up(kafka)
 
     def _groups_up(self, kafka: KafkaSettings) -> None:
-        from deploy.services import ServiceProcess
 
         if not _has_command("groups"):
             self._say("groups", "skipped", "this build has no `rollwire groups`")
@@ -317,7 +261,6 @@ class Stack:
         self._say("groups", "started", f"http://{groups.host}:{port}")
 
     def _gateway_up(self, kafka: KafkaSettings) -> None:
-        from deploy.services import ServiceProcess
 
         if not _has_command("gateway-node"):
             self._say("gateway-node", "skipped", "this build has no `rollwire gateway-node`: sessions will "
@@ -341,7 +284,7 @@ class Stack:
             service.start(timeout_s=120)
             self.started.append(service)
         else:
-            detached = Detached("gateway-node", ("gateway-node",), env)
+            detached = ServiceProcess(name="gateway-node", args=("gateway-node",), health_url=None, env=env)
             if detached.pid() is not None:
                 self._say("gateway-node", "reused", f"pid {detached.pid()}")
                 return
@@ -353,14 +296,14 @@ class Stack:
         if not _has_command("evaluator", "run"):
             self._say(f"evaluator {name}", "skipped", "this build has no `rollwire evaluator run`")
             return
-        detached = Detached(f"evaluator-{name}", ("evaluator", "run", name),
-                            {"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
+        detached = ServiceProcess(name=f"evaluator-{name}", args=("evaluator", "run", name), health_url=None,
+                                  env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
         if detached.pid() is not None:
             self._say(f"evaluator {name}", "reused", f"pid {detached.pid()}")
             return
         try:
             detached.start()
-        except JobSetupError as exc:
+        except DeployError as exc:
             self._say(f"evaluator {name}", "skipped", f"it did not start: {exc}")
             return
         self.started.append(detached)
