@@ -11,7 +11,10 @@ same machine as the broker and the worker.
 Two phases: ``flood`` (everything as fast as the producer can send: the worker's capacity,
 ``events_per_s`` = completion events / (last trajectory received - first event sent)); ``paced`` (at
 ``--rate`` events/s, or 80% of the flood's figure if that is lower: the latency from a session's end
-event being sent to its trajectory being read from ``trajectories``, p50/p99).
+event being sent to its trajectory being read from ``trajectories``, p50/p99). Before them, side by side,
+the same flood through a worker that only counts and acknowledges records
+(``ROLLWIRE_PROCESSORS_TRANSPORT_ONLY``): ``transport_only_events_per_s`` is what the producer, the broker
+and Faust's consumer allow on this machine with none of the work done.
 
     python -m bench.pipeline [--sessions N] [--turns T] [--tokens K] [--rate R] [--workers W]
 
@@ -94,9 +97,10 @@ def interleave(sessions: list[list[Record]], concurrent: int) -> list[Record]:
 
 
 class Worker:
-    def __init__(self, kafka: KafkaSettings, app_id: str, data_dir: Path, port: int) -> None:
+    def __init__(self, kafka: KafkaSettings, app_id: str, data_dir: Path, port: int,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.url = f"http://127.0.0.1:{port}/health"
-        env = {**os.environ, "ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap,
+        env = {**os.environ, **(extra_env or {}), "ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap,
                "ROLLWIRE_TOPIC_PREFIX": kafka.topic_prefix, "ROLLWIRE_PROCESSORS_APP_ID": app_id,
                "ROLLWIRE_PROCESSORS_DATA_DIR": str(data_dir), "ROLLWIRE_PROCESSORS_PORT": str(port),
                "ROLLWIRE_PROCESSORS_LOG_LEVEL": "warning"}
@@ -151,8 +155,9 @@ class Worker:
 class Workers:
     """``n`` workers of one app (one consumer group): the partitions are shared between them."""
 
-    def __init__(self, kafka: KafkaSettings, app_id: str, home: Path, port: int, n: int) -> None:
-        self.workers = [Worker(kafka, app_id, home / f"data-{i}", port + i) for i in range(n)]
+    def __init__(self, kafka: KafkaSettings, app_id: str, home: Path, port: int, n: int,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.workers = [Worker(kafka, app_id, home / f"data-{i}", port + i, extra_env) for i in range(n)]
 
     def wait_healthy(self, timeout_s: float = 180) -> None:
         # Every member healthy at once: no rebalance going on and every table recovered.
@@ -237,7 +242,39 @@ async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | Non
             "p99_ms": float(np.percentile(latencies, 99)), "max_ms": float(latencies.max())}
 
 
+async def transport_ceiling(args: argparse.Namespace) -> float:
+    """Completions/s when the worker only counts and acknowledges records (ROLLWIRE_PROCESSORS_TRANSPORT_ONLY):
+    the same flood through the same producer, broker and Faust consumer, with none of the work done."""
+    kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
+    await prepare_topics(kafka, "processors")
+    home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
+    workers = Workers(kafka, "processors", home, args.port + 50, args.workers,
+                      {"ROLLWIRE_PROCESSORS_TRANSPORT_ONLY": "true"})
+    try:
+        order = interleave(make_sessions(kafka, "ceiling", args.sessions, args.turns, args.tokens, seed=3),
+                           args.concurrent)
+        workers.wait_healthy()
+        producer = AIOKafkaProducer(bootstrap_servers=kafka.kafka_bootstrap, acks="all", enable_idempotence=True,
+                                    compression_type="zstd", max_request_size=kafka.max_message_bytes,
+                                    linger_ms=5, max_batch_size=512 * 1024)
+        await producer.start()
+        started = time.time()
+        try:
+            pending = [await producer.send(r.topic, r.value, key=r.key, headers=r.headers) for r in order]
+            await asyncio.gather(*pending)
+        finally:
+            await producer.stop()
+        while workers.health().get("records", 0) < len(order):
+            await asyncio.sleep(0.05)
+        return sum(r.is_completion for r in order) / (time.time() - started)
+    finally:
+        workers.stop()
+        shutil.rmtree(home, ignore_errors=True)
+        await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
+
+
 async def bench(args: argparse.Namespace) -> None:
+    ceiling = await transport_ceiling(args)
     kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
     await prepare_topics(kafka, "processors")
     home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
@@ -284,6 +321,8 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"worker_dead_lettered={health.get('dead_lettered')} worker_read_back={health.get('read_back')} "
           f"worker_builds={health.get('trajectories')} worker_late={health.get('late')}")
     print(f"end_to_trajectory_p99_ms={paced['p99_ms']:.0f}")
+    print(f"transport_only_events_per_s={ceiling:.0f}")
+    print(f"ratio_to_transport_only={flood['events_per_s'] / ceiling:.2f}")
     print(f"events_per_s={flood['events_per_s']:.0f}")
 
 

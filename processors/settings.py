@@ -37,6 +37,8 @@ class ProcessorSettings(BaseSettings):
     ``BATCH_RECORDS`` (1000) / ``BATCH_MS`` (200): table writes are held in memory and flushed every this
     many records or milliseconds, whichever comes first (records are acknowledged only after the flush
     that covers them); a session's records between two flushes cost one table write.
+    ``TRANSPORT_ONLY`` (false): benchmarks only: count and acknowledge records without handling them,
+    to measure what the Faust transport alone costs on the same machine (``bench.pipeline`` does).
     ``TICK_S`` (0.5): how often the deadline timer looks at open sessions.
     ``SETTLE_S`` (1.0): how long after a (re)start a partition that delivered nothing counts as caught up.
     ``SESSION_TIMEOUT_S`` (30): consumer group session timeout; a worker that died without leaving the
@@ -56,6 +58,7 @@ class ProcessorSettings(BaseSettings):
     compression: Literal["snappy", "zstd", "gzip", "lz4", "none"] = "snappy"
     batch_records: int = Field(default=1000, ge=1)
     batch_ms: float = Field(default=200.0, gt=0)
+    transport_only: bool = False
     tick_s: float = Field(default=0.5, gt=0)
     settle_s: float = Field(default=1.0, ge=0)
     session_timeout_s: float = Field(default=30.0, ge=6)
