@@ -7,6 +7,7 @@ from ``ROLLWIRE_PROCESSORS_*`` (see processors/settings.py).
 from __future__ import annotations
 
 import asyncio
+import os
 from datetime import datetime
 
 import typer
@@ -19,12 +20,16 @@ def run() -> None:
     from faust.worker import Worker
 
     from processors.settings import ProcessorSettings
+    from processors.state import cluster_state_dir
     from processors.topics import prepare_topics
     from schemas.transport.settings import KafkaSettings
 
     conf = ProcessorSettings()
-    asyncio.run(prepare_topics(KafkaSettings(), conf.app_id))
-    conf.data_dir.mkdir(parents=True, exist_ok=True)
+    kafka = KafkaSettings()
+    asyncio.run(prepare_topics(kafka, conf.app_id))
+    # The app reads its settings at import: point it at this cluster's state (see processors/state.py).
+    state = asyncio.run(cluster_state_dir(conf.data_dir, kafka.kafka_bootstrap))
+    os.environ["ROLLWIRE_PROCESSORS_DATA_DIR"] = str(state)
     from processors.app import app as faust_app  # imported only now: it reads the environment at import
 
     worker = Worker(faust_app, loglevel=conf.log_level)

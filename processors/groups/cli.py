@@ -8,6 +8,7 @@ partition count) first if they are missing.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
@@ -52,10 +53,14 @@ def run() -> None:
     from faust.worker import Worker
 
     from processors.groups.settings import GroupSettings
+    from processors.state import cluster_state_dir
 
     conf = GroupSettings()
-    asyncio.run(prepare_topics(KafkaSettings(), conf.app_id))
-    conf.data_dir.mkdir(parents=True, exist_ok=True)
+    kafka = KafkaSettings()
+    asyncio.run(prepare_topics(kafka, conf.app_id))
+    # The app reads its settings at import: point it at this cluster's state (see processors/state.py).
+    state = asyncio.run(cluster_state_dir(conf.data_dir, kafka.kafka_bootstrap))
+    os.environ["ROLLWIRE_GROUPS_DATA_DIR"] = str(state)
     from processors.groups.app import app as faust_app  # imported only now: it reads the environment at import
 
     worker = Worker(faust_app, loglevel=conf.log_level)

@@ -1,0 +1,39 @@
+"""Where a Faust worker keeps its RocksDB tables: one folder per Kafka cluster.
+
+The tables are a local copy of their changelog topics, so they are only valid against the cluster that
+holds those changelogs. A broker whose data was wiped and recreated (a new local stack, a cleared
+``ROLLWIRE_HOME/kafka``) has a new cluster id; state kept under the old id would make Faust stop with a
+ConsistencyError (persisted offsets beyond the new changelogs' ends). Keyed by cluster id, the worker
+starts clean there and recovers from the changelogs as usual.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+
+async def cluster_id(bootstrap: str) -> str:
+    """The cluster id the brokers at ``bootstrap`` report."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        await admin.start()
+        found = (await admin.describe_cluster()).get("cluster_id")
+    except KafkaError as exc:
+        raise RuntimeError(f"Kafka at {bootstrap} did not say its cluster id: {exc!r}") from exc
+    finally:
+        await admin.close()
+    if not found:
+        raise RuntimeError(f"Kafka at {bootstrap} reports no cluster id")
+    return str(found)
+
+
+async def cluster_state_dir(base: Path, bootstrap: str) -> Path:
+    """``base/cluster-<id>``, created."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", await cluster_id(bootstrap))
+    path = base / f"cluster-{safe}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
