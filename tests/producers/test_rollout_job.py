@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from schemas.sessions import FailureKind, SessionEnded, SessionStage, SessionSta
 from schemas.tasks import EvaluatorSpec, TaskRequest
 from schemas.trajectories import Trajectory, TrajectoryStats
 from schemas.transport import KafkaSettings
+from tests.harnesses.common import turn_token_ids
 from tests.producers.rollout_helpers import publish, rollout_server, task_body
 from tests.servers import free_port, serve
 
@@ -68,10 +68,12 @@ def test_example_tasks_are_real_failing_repos(tmp_path: Path) -> None:
     # The scripted example forces Qwen Code's turns: a tool call whose command fixes the bug, then an answer.
     (scripted,), bad = load_tasks(EXAMPLES.with_name("tasks-scripted.jsonl"), Overrides())
     assert bad == [] and scripted.request.agent.harness == "qwen-code"
-    regexes = [turn["structured_outputs"]["regex"] for turn in scripted.request.engine.turns]
-    assert len(regexes) == 2 and "run_shell_command" in regexes[0]
-    # The literal the regex matches: every escaped character as itself, ``\\n`` as a newline.
-    call = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), regexes[0])
+    forced = [turn["vllm_xargs"] for turn in scripted.request.engine.turns]
+    assert len(forced) == 2 and "run_shell_command" in forced[0]["rollwire_forced_text"]
+    # The forced ids are the tiny model's template tokens for the text beside them, up to <|im_end|>.
+    for turn in forced:
+        assert turn["rollwire_forced_tokens"] == turn_token_ids(turn["rollwire_forced_text"])
+    call = forced[0]["rollwire_forced_text"]
     command = json.loads(call.split("\n")[1])["arguments"]["command"]
     work = tmp_path / "scripted"
     shutil.copytree(Path(scripted.request.runtime.repo or ""), work)
