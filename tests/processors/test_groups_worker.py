@@ -10,15 +10,10 @@ must not; a redelivered fact after emission must not emit again; a poison record
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 
@@ -31,60 +26,16 @@ from schemas.tasks import AgentSpec, EvaluatorSpec, TaskAccepted, TaskRequest
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport import EventProducer, KafkaSettings
-from tests.processors.worker_process import free_port, read_events
+from tests.processors.worker_process import WorkerProcess, read_events
 
 pytestmark = pytest.mark.kafka
-ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass
-class GroupsWorker:
-    kafka: KafkaSettings
-    data_dir: Path
-    extra_env: dict[str, str] = field(default_factory=dict)
-    app_id: str = field(default_factory=lambda: f"groups-{uuid.uuid4().hex[:6]}")
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 90) -> None:
-        env = {**os.environ, "ROLLWIRE_KAFKA_BOOTSTRAP": self.kafka.kafka_bootstrap,
-               "ROLLWIRE_TOPIC_PREFIX": self.kafka.topic_prefix,
-               "ROLLWIRE_SESSION_PARTITIONS": str(self.kafka.session_partitions),
-               "ROLLWIRE_TASK_PARTITIONS": str(self.kafka.task_partitions),
-               "ROLLWIRE_GROUPS_APP_ID": self.app_id, "ROLLWIRE_GROUPS_DATA_DIR": str(self.data_dir),
-               "ROLLWIRE_GROUPS_PORT": str(self.port), "ROLLWIRE_GROUPS_TICK_S": "0.2", **self.extra_env}
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.log = self.data_dir.parent / f"{self.app_id}.log"
-        self.process = subprocess.Popen([sys.executable, "-m", "deploy.cli", "groups"], cwd=ROOT, env=env,
-                                        stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"groups worker exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.health() is not None:
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"groups worker not healthy within {timeout_s} s:\n{self.log_tail()}")
-
-    def health(self) -> dict | None:
-        try:
-            response = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2)
-        except httpx.HTTPError:
-            return None
-        return response.json() if response.status_code == 200 else None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+def groups_worker(kafka: KafkaSettings, data_dir: Path, *, extra_env: dict[str, str] | None = None,
+                 app_id: str | None = None) -> WorkerProcess:
+    """A ``rollwire groups`` worker subprocess."""
+    return WorkerProcess(kafka, data_dir, app_id=app_id or f"groups-{uuid.uuid4().hex[:6]}",
+                         extra_env=extra_env or {}, command="groups", settings_prefix="ROLLWIRE_GROUPS_")
 
 
 def accepted(task_id: str, n: int, *, timeout_s: float, evaluator: str | None = "tests") -> TaskAccepted:
@@ -106,7 +57,7 @@ def evaluation(session_id: str, task_id: str, reward: float, evaluator: str = "t
 
 
 async def test_groups_worker_end_to_end(kafka: KafkaSettings, tmp_path: Path) -> None:
-    worker = GroupsWorker(kafka, tmp_path / "data", extra_env={
+    worker = groups_worker(kafka, tmp_path / "data", extra_env={
         "ROLLWIRE_GROUPS_GRACE_S": "0", "ROLLWIRE_GROUPS_MIN_FRACTION": "0.5"})
     worker.start()
     try:
@@ -193,7 +144,7 @@ async def test_a_killed_worker_resumes_from_its_table(kafka: KafkaSettings, tmp_
     """Half a task's facts, SIGKILL, a restart on the same app id and data: the facts read before the crash
     must still count (table + changelog), and the task's group must come out once, with every sample."""
     # A short group session: the killed member's partitions go to the restarted one after 6 s, not 30.
-    worker = GroupsWorker(kafka, tmp_path / "data", extra_env={"ROLLWIRE_GROUPS_GRACE_S": "0",
+    worker = groups_worker(kafka, tmp_path / "data", extra_env={"ROLLWIRE_GROUPS_GRACE_S": "0",
                                                                "ROLLWIRE_GROUPS_SESSION_TIMEOUT_S": "6"})
     worker.start()
     task = accepted("task-r", 4, timeout_s=600, evaluator=None)  # the worker's default: session_completed
@@ -211,7 +162,7 @@ async def test_a_killed_worker_resumes_from_its_table(kafka: KafkaSettings, tmp_
             assert worker.process is not None
             worker.process.kill()
             worker.process.wait(10)
-            restarted = GroupsWorker(kafka, worker.data_dir, extra_env=worker.extra_env, app_id=worker.app_id)
+            restarted = groups_worker(kafka, worker.data_dir, extra_env=worker.extra_env, app_id=worker.app_id)
             restarted.start(timeout_s=120)
             try:
                 await producer.send_many([e for i in range(2, 4) for e in (

@@ -40,7 +40,8 @@ def free_port() -> int:
 
 @dataclass
 class WorkerProcess:
-    """One worker subprocess; ``start()`` waits for its /health page."""
+    """One Faust worker subprocess (``rollwire processors``, or ``groups`` with its own settings prefix);
+    ``start()`` waits for its /health page."""
 
     kafka: KafkaSettings
     data_dir: Path
@@ -48,20 +49,21 @@ class WorkerProcess:
     port: int = field(default_factory=free_port)
     extra_env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen | None = None
+    command: str = "processors"
+    settings_prefix: str = "ROLLWIRE_PROCESSORS_"
 
     def env(self) -> dict[str, str]:
+        own = {"APP_ID": self.app_id, "DATA_DIR": str(self.data_dir), "PORT": str(self.port), "TICK_S": "0.2"}
         return {**os.environ, "ROLLWIRE_KAFKA_BOOTSTRAP": self.kafka.kafka_bootstrap,
                 "ROLLWIRE_TOPIC_PREFIX": self.kafka.topic_prefix,
                 "ROLLWIRE_SESSION_PARTITIONS": str(self.kafka.session_partitions),
                 "ROLLWIRE_TASK_PARTITIONS": str(self.kafka.task_partitions),
-                "ROLLWIRE_PROCESSORS_APP_ID": self.app_id, "ROLLWIRE_PROCESSORS_DATA_DIR": str(self.data_dir),
-                "ROLLWIRE_PROCESSORS_PORT": str(self.port), "ROLLWIRE_PROCESSORS_TICK_S": "0.2",
-                **self.extra_env}
+                **{self.settings_prefix + name: value for name, value in own.items()}, **self.extra_env}
 
     def start(self, timeout_s: float = 90) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = (self.data_dir.parent / f"{self.app_id}.log").open("ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "deploy.cli", "processors"], cwd=ROOT,
+        self.process = subprocess.Popen([sys.executable, "-m", "deploy.cli", self.command], cwd=ROOT,
                                         env=self.env(), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
