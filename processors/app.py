@@ -24,6 +24,7 @@ from faust.streams import _current_event  # what Faust tables read a write's par
 from faust.types import TP
 
 from processors.aggregate import Outputs, SessionAggregator, Tables
+from processors.faust_worker import RAW, app_settings
 from processors.health import serve_health
 from processors.payloads import LogReader
 from processors.settings import ProcessorSettings
@@ -42,29 +43,14 @@ conf = ProcessorSettings()
 registry = kafka.registry()
 SOURCE = f"processors@{socket.gethostname()}:{os.getpid()}"
 PARTITIONS = kafka.session_partitions
-RAW = {"key_serializer": "raw", "value_serializer": "raw"}
 
 app = faust.App(
     app_id(kafka, conf.app_id),
-    broker=[f"kafka://{server.strip()}" for server in kafka.kafka_bootstrap.split(",")],
-    store="rocksdb://" if conf.store == "rocksdb" else "memory://",
-    datadir=str(conf.data_dir),
-    topic_partitions=PARTITIONS,
-    topic_replication_factor=1,
-    topic_disable_leader=True,  # no extra "__leader" topic: nothing here needs a leader
-    web_enabled=False,  # the health page below needs no aiohttp
-    processing_guarantee="at_least_once",
-    producer_acks=-1,
+    **app_settings(kafka, store=conf.store, data_dir=conf.data_dir, partitions=PARTITIONS,
+                   session_timeout_s=conf.session_timeout_s),
     producer_compression_type=None if conf.compression == "none" else conf.compression,
     producer_linger=0.005,  # batch the changelog writes: one produce request per record costs more CPU
     producer_max_batch_size=1024 * 1024,  # aiokafka's 16 kB default put every trajectory in its own batch
-    producer_max_request_size=kafka.max_message_bytes,
-    consumer_max_fetch_size=kafka.fetch_bytes,
-    consumer_auto_offset_reset="earliest",
-    broker_commit_interval=1.0,
-    broker_session_timeout=conf.session_timeout_s,
-    broker_heartbeat_interval=min(3.0, conf.session_timeout_s / 3),
-    table_standby_replicas=0,
 )
 
 # Our topics are declared as external: Faust reads and writes them but never creates or reconfigures them.

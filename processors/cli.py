@@ -7,7 +7,6 @@ from ``ROLLWIRE_PROCESSORS_*`` (see processors/settings.py).
 from __future__ import annotations
 
 import asyncio
-import os
 from datetime import datetime
 
 import typer
@@ -17,26 +16,15 @@ app = typer.Typer(help="Trajectory processors.", add_completion=False)
 
 def run() -> None:
     """Run a trajectory worker (Faust) in the foreground: completions + session events -> trajectories."""
-    from faust.worker import Worker
-
+    from processors.faust_worker import run_worker
     from processors.settings import ProcessorSettings
-    from processors.state import cluster_state_dir
     from processors.topics import prepare_topics
     from schemas.transport.settings import KafkaSettings
 
-    conf = ProcessorSettings()
-    kafka = KafkaSettings()
+    conf, kafka = ProcessorSettings(), KafkaSettings()
     asyncio.run(prepare_topics(kafka, conf.app_id))
-    # The app reads its settings at import: point it at this cluster's state (see processors/state.py).
-    state = asyncio.run(cluster_state_dir(conf.data_dir, kafka.kafka_bootstrap))
-    os.environ["ROLLWIRE_PROCESSORS_DATA_DIR"] = str(state)
-    from processors.app import app as faust_app  # imported only now: it reads the environment at import
-
-    worker = Worker(faust_app, loglevel=conf.log_level)
-    # Faust's terminal spinner (kept at WARNING and above) sets the root logger to DEBUG so that every
-    # debug line of aiokafka and Faust makes a LogRecord: about a tenth of the worker's CPU. Not wanted.
-    worker.spinner = None
-    worker.execute_from_commandline()
+    run_worker("processors.app", kafka=kafka, data_dir=conf.data_dir, data_dir_var="ROLLWIRE_PROCESSORS_DATA_DIR",
+               log_level=conf.log_level)
 
 
 def rebuild(builder: str = typer.Option(..., "--builder", help="per_request or prefix_merging."),

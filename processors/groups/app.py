@@ -43,6 +43,7 @@ from processors.groups.assembly import (
 )
 from processors.groups.cli import by_task_topic
 from processors.groups.settings import GroupSettings
+from processors.faust_worker import RAW, app_settings
 from processors.health import serve_health
 from processors.intake import dead_letter
 from schemas.codec import EventDecodeError, check_envelope, decode_event, encode_event, event_headers
@@ -59,27 +60,12 @@ registry = kafka.registry()
 SOURCE = f"groups@{socket.gethostname()}:{os.getpid()}"
 APP_ID = kafka.topic_prefix + conf.app_id
 BY_TASK = by_task_topic(kafka, conf.app_id)
-RAW = {"key_serializer": "raw", "value_serializer": "raw"}
 REQUEST_AGAIN_S = 5.0  # a deadline record the agent has not acted on yet is re-sent after this long
 
 app = faust.App(
     APP_ID,
-    broker=[f"kafka://{server.strip()}" for server in kafka.kafka_bootstrap.split(",")],
-    store="rocksdb://" if conf.store == "rocksdb" else "memory://",
-    datadir=str(conf.data_dir),
-    topic_partitions=kafka.task_partitions,
-    topic_replication_factor=1,
-    topic_disable_leader=True,
-    web_enabled=False,
-    processing_guarantee="at_least_once",
-    producer_acks=-1,
-    producer_max_request_size=kafka.max_message_bytes,
-    consumer_max_fetch_size=kafka.fetch_bytes,
-    consumer_auto_offset_reset="earliest",
-    broker_commit_interval=1.0,
-    broker_session_timeout=conf.session_timeout_s,
-    broker_heartbeat_interval=min(3.0, conf.session_timeout_s / 3),
-    table_standby_replicas=0,
+    **app_settings(kafka, store=conf.store, data_dir=conf.data_dir, partitions=kafka.task_partitions,
+                   session_timeout_s=conf.session_timeout_s),
 )
 
 # Ours are external topics: Faust reads and writes them but never creates or reconfigures them.

@@ -8,7 +8,6 @@ partition count) first if they are missing.
 from __future__ import annotations
 
 import asyncio
-import os
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
@@ -50,19 +49,10 @@ async def prepare_topics(kafka: KafkaSettings, app_id: str) -> None:
 
 def run() -> None:
     """Run a groups worker: trajectories + evaluations + tasks -> groups with GRPO advantages."""
-    from faust.worker import Worker
-
+    from processors.faust_worker import run_worker
     from processors.groups.settings import GroupSettings
-    from processors.state import cluster_state_dir
 
-    conf = GroupSettings()
-    kafka = KafkaSettings()
+    conf, kafka = GroupSettings(), KafkaSettings()
     asyncio.run(prepare_topics(kafka, conf.app_id))
-    # The app reads its settings at import: point it at this cluster's state (see processors/state.py).
-    state = asyncio.run(cluster_state_dir(conf.data_dir, kafka.kafka_bootstrap))
-    os.environ["ROLLWIRE_GROUPS_DATA_DIR"] = str(state)
-    from processors.groups.app import app as faust_app  # imported only now: it reads the environment at import
-
-    worker = Worker(faust_app, loglevel=conf.log_level)
-    worker.spinner = None  # see processors/cli.py: the spinner makes every debug line a LogRecord
-    worker.execute_from_commandline()
+    run_worker("processors.groups.app", kafka=kafka, data_dir=conf.data_dir, data_dir_var="ROLLWIRE_GROUPS_DATA_DIR",
+               log_level=conf.log_level)

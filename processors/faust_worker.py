@@ -1,0 +1,59 @@
+"""What rollwire's Faust workers (trajectories, groups) share: the app settings and how a worker starts.
+
+Both are at-least-once consumer groups over external topics with RocksDB (or memory) tables, no
+aiohttp web server and no leader topic; both keep their state under the Kafka cluster's id
+(processors/state.py) and run without Faust's terminal spinner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+from processors.state import cluster_state_dir
+from schemas.transport.settings import KafkaSettings
+
+# Raw bytes in and out: our codecs (schemas.codec) decode and validate, Faust only moves records.
+RAW: dict[str, str] = {"key_serializer": "raw", "value_serializer": "raw"}
+
+
+def app_settings(kafka: KafkaSettings, *, store: str, data_dir: Path, partitions: int,
+                 session_timeout_s: float) -> dict[str, Any]:
+    """Keyword arguments of ``faust.App`` common to rollwire's workers (each adds its own)."""
+    return {
+        "broker": [f"kafka://{server.strip()}" for server in kafka.kafka_bootstrap.split(",")],
+        "store": "rocksdb://" if store == "rocksdb" else "memory://",
+        "datadir": str(data_dir),
+        "topic_partitions": partitions,
+        "topic_replication_factor": 1,
+        "topic_disable_leader": True,  # no extra "__leader" topic: nothing here needs a leader
+        "web_enabled": False,  # the health page (processors/health.py) needs no aiohttp
+        "processing_guarantee": "at_least_once",  # Faust's exactly-once mode is deliberately not used
+        "producer_acks": -1,
+        "producer_max_request_size": kafka.max_message_bytes,
+        "consumer_max_fetch_size": kafka.fetch_bytes,
+        "consumer_auto_offset_reset": "earliest",
+        "broker_commit_interval": 1.0,
+        "broker_session_timeout": session_timeout_s,
+        "broker_heartbeat_interval": min(3.0, session_timeout_s / 3),
+        "table_standby_replicas": 0,
+    }
+
+
+def run_worker(app_module: str, *, kafka: KafkaSettings, data_dir: Path, data_dir_var: str, log_level: str) -> None:
+    """Run the Faust app of ``app_module`` in the foreground, its tables under this cluster's state.
+
+    The app module reads its settings at import, so the state folder is put into ``data_dir_var`` first.
+    """
+    from faust.worker import Worker
+
+    os.environ[data_dir_var] = str(asyncio.run(cluster_state_dir(data_dir, kafka.kafka_bootstrap)))
+    app = importlib.import_module(app_module).app
+    worker = Worker(app, loglevel=log_level)
+    # Faust's terminal spinner (kept at WARNING and above) sets the root logger to DEBUG so that every
+    # debug line of aiokafka and Faust makes a LogRecord: about a tenth of the worker's CPU. Not wanted.
+    worker.spinner = None
+    worker.execute_from_commandline()
