@@ -209,12 +209,14 @@ def _python_with_torch() -> str | None:
     return None
 
 
-async def test_the_grpo_example_takes_a_real_gradient_step(kafka: KafkaSettings) -> None:
-    """examples/grpo_step.py --demo: real rollouts of the tiny model, through the feed, one GRPO step."""
+async def test_the_grpo_example_takes_a_real_gradient_step(kafka: KafkaSettings, vllm_url: str) -> None:
+    """examples/grpo_step.py --demo: real rollouts of the tiny model, through the feed, one GRPO step.
+
+    ``vllm_url`` makes sure the vLLM environment (which has torch) and the tiny model are installed."""
     python = _python_with_torch()
     model = Path(os.environ.get("ROLLWIRE_CACHE_DIR", "~/.cache/rollwire")).expanduser() / "models" / "tiny-qwen3-seed0"
-    if python is None or not (model / "config.json").exists():
-        pytest.skip("no torch and tiny model here: the vLLM environment is installed by `rollwire up`")
+    assert python is not None, "no python with torch: neither this environment nor the vLLM environment has it"
+    assert (model / "config.json").exists(), f"the tiny model is not built at {model}"
     done = await asyncio.to_thread(
         subprocess.run, [python, str(REPO / "examples" / "grpo_step.py"), "--demo", "--steps", "2",
                          "--token-budget", "120", "--samples", "3", "--new-tokens", "6"],
