@@ -1,12 +1,15 @@
 """The proxy's HTTP app: routes for each provider API, the session API, health and metrics.
 
-Routes stay thin: they read the body within limits, find the session, and hand the call to
-:class:`~proxy.calls.CallService`; errors are rendered in the caller's protocol (OpenAI's error object
-on OpenAI routes, ``{"detail": ...}`` on rollwire's own API).
+Routes stay thin: they authenticate the call (the session's key, also on ``/s/{id}/`` paths), read the
+body within limits (:mod:`proxy.limits`), and hand the call to :class:`~proxy.calls.CallService`. Errors
+are rendered in the caller's protocol (OpenAI's, Anthropic's or Gemini's error object on their routes,
+unknown paths and methods under them included; ``{"detail": ...}`` on rollwire's own API), and every
+call past the key is recorded, refused ones as failed calls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -20,6 +23,7 @@ import orjson
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy import openai_chat
 from proxy.anthropic_messages import MessagesApi
@@ -27,22 +31,16 @@ from proxy.gemini import GeminiApi
 from proxy.openai_chat import ChatCompletionsApi
 from proxy.openai_responses import ResponsesApi
 from proxy.calls import CallService
-from proxy.capture import CallContext, Recorder, body_digest
+from proxy.capture import EMPTY_REQUEST, CallContext, Recorder, body_digest
 from proxy.engine import VllmEngine
-from proxy.errors import (
-    BadRequest,
-    CaptureFailed,
-    NotFound,
-    PayloadTooLarge,
-    ProxyError,
-    UnsupportedMediaType,
-    UpgradeRequired,
-)
+from proxy.errors import CaptureFailed, NotFound, ProxyError, UpgradeRequired, as_proxy_error
+from proxy.limits import decode_json_body, read_body, require_json_media_type
 from proxy.metrics import ProxyMetrics
-from proxy.providers import ProviderApi, Route
+from proxy.providers import ParsedCall, ProviderApi, Route
 from proxy.sessions import LiveSession, RegistryFeed, SessionRegistry
 from proxy.settings import ProxySettings
 from schemas.api import SessionCreate, SessionCreated, SessionEnd, SessionState
+from schemas.completions import NormalizedRequest
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.transport import KafkaSettings
 
@@ -64,6 +62,7 @@ class ProxyState:
     engine: VllmEngine
     service: CallService
     metrics: ProxyMetrics
+    max_body_bytes: int
 
 
 def _api_key(request: Request) -> str | None:
@@ -73,40 +72,51 @@ def _api_key(request: Request) -> str | None:
     return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or request.query_params.get("key")
 
 
-async def read_json_body(request: Request, limit: int) -> tuple[Any, bytes]:
-    """The decoded JSON body and its bytes; 415, 413 and 400 errors for the usual ways it is wrong."""
-    content_type = request.headers.get("content-type", "")
-    if "json" not in content_type.lower():
-        raise UnsupportedMediaType(f"send the body as application/json (got {content_type or 'no content type'!r})")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit "
-                              "(ROLLWIRE_PROXY_MAX_BODY_BYTES)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the {limit}-byte limit (ROLLWIRE_PROXY_MAX_BODY_BYTES)")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        return orjson.loads(raw), raw
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+def _requested_model(document: Any, route: Route) -> str | None:
+    """The model a request names, read without trusting its shape (for the events of refused calls)."""
+    if route.model is not None:
+        return route.model
+    model = document.get("model") if isinstance(document, dict) else None
+    return model if isinstance(model, str) else None
 
 
-def _context(request: Request, api: str, session: LiveSession, requested_model: str | None,
-             raw: bytes, keep_body: bool) -> CallContext:
-    digest = body_digest(raw)
+def _context(request: Request, api: str, session: LiveSession, raw: bytes | None, keep_body: bool) -> CallContext:
+    """Number the call (from here on it will have an event) and gather what is known before parsing."""
+    digest = body_digest(raw) if raw is not None else None
     retry_header = request.headers.get("x-stainless-retry-count", "0")
     retry_count = int(retry_header) if retry_header.isdigit() else 0
     sequence, retry_of = session.take_sequence(digest, retry_count)
     hints = {name: request.headers[name] for name in _HINT_HEADERS if name in request.headers}
+    body = raw.decode("utf-8", errors="replace") if keep_body and raw is not None else None
     return CallContext(api=api, session_id=session.session_id, task_id=session.spec.task_id,
                        policy_version=session.spec.policy_version, sequence=sequence,
-                       requested_model=requested_model, served_model=None, digest=digest,
-                       body=raw.decode("utf-8", errors="replace") if keep_body else None,
+                       requested_model=None, served_model=None, digest=digest, body=body,
                        retry_of=retry_of, retry_count=retry_count, agent_hints=hints)
+
+
+# Bodies above this are decoded and parsed in a worker thread, so one large request (or one that inflates
+# reasoning signatures up to their limit) never stalls the event loop that serves every other stream.
+_PARSE_INLINE_BYTES = 256 * 1024
+
+
+async def _parse(provider: ProviderApi, raw: bytes, route: Route) -> tuple[Any, ParsedCall]:
+    def parse() -> tuple[Any, ParsedCall]:
+        document = decode_json_body(raw)
+        return document, provider.parse(document, route)
+
+    if len(raw) <= _PARSE_INLINE_BYTES:
+        return parse()
+    return await asyncio.to_thread(parse)
+
+
+def _provider_for_path(path: str) -> str:
+    if "/v1beta/" in path:
+        return "gemini"
+    if "/v1/messages" in path:
+        return "anthropic"
+    if path.startswith("/v1/sessions"):
+        return "rollwire"
+    return "openai"
 
 
 def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | None = None, *,
@@ -122,7 +132,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         recorder = Recorder(kafka, settings.capture_timeout_s)
         engine = VllmEngine(settings, transport=engine_transport)
         state = ProxyState(settings, kafka, registry, RegistryFeed(kafka, registry), recorder, engine,
-                           CallService(engine, recorder, metrics, upstream_stream=settings.upstream_stream), metrics)
+                           CallService(engine, recorder, metrics, upstream_stream=settings.upstream_stream), metrics,
+                           settings.max_body_bytes(kafka.max_message_bytes))
         await recorder.start()
         state.feed.start()
         app.state.proxy = state
@@ -140,17 +151,33 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
 
     # -- provider APIs ------------------------------------------------------------------------------
     async def serve_call(request: Request, provider: ProviderApi, session_id: str | None,
-                         route: Route = _NO_ROUTE) -> Response:
-        """One model call on any provider API; every failure is answered in that provider's error shape."""
+                         route: Route = _NO_ROUTE, refusal: ProxyError | None = None) -> Response:
+        """One model call on any provider API: the one place that authenticates it, reads its body within
+        limits, and turns any failure into a recorded failed call and an answer in the provider's shape.
+
+        Order: the key (401 before anything is read), then the call is numbered, then the body is read,
+        decoded and parsed. Every call past the key leaves exactly one completion event.
+        """
         state = state_of(request)
         started = time.perf_counter()
         status = 500
+        ctx: CallContext | None = None
+        document: Any = None
+        normalized: NormalizedRequest = EMPTY_REQUEST
         try:
-            document, raw = await read_json_body(request, settings.proxy_max_body_bytes)
-            session = await state.registry.resolve(session_id, _api_key(request), settings.session_wait_s)
-            call = provider.parse(document, route)
-            ctx = _context(request, provider.name, session, call.requested_model, raw,
-                           settings.record_request_body)
+            session = await state.registry.authenticate(session_id, _api_key(request), settings.session_wait_s)
+            raw: bytes | None = None
+            try:
+                if refusal is not None:
+                    raise refusal
+                require_json_media_type(request)
+                raw = await read_body(request, state.max_body_bytes)
+            finally:
+                ctx = _context(request, provider.name, session, raw, settings.record_request_body)
+            assert raw is not None
+            document, call = await _parse(provider, raw, route)
+            normalized = call.request
+            ctx.requested_model = call.requested_model
             if not call.stream:
                 turn = await state.service.whole(ctx, session, call.request)
                 status = 200
@@ -161,9 +188,13 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             return StreamingResponse(_prepend(first, chunks), media_type=provider.stream_media_type,
                                      headers={"cache-control": "no-cache"})
         except Exception as exc:
-            error = _as_proxy_error(request, exc)
+            error = as_proxy_error(exc, request.url.path)
             status = error.status_code
-            if not isinstance(error, CaptureFailed):
+            if ctx is not None:
+                if ctx.requested_model is None:
+                    ctx.requested_model = _requested_model(document, route)
+                await state.service.record_failure(ctx, normalized, error)
+            elif not isinstance(error, CaptureFailed):
                 state.metrics.error(provider.name, error.kind)
             return JSONResponse(provider.error_body(error), status_code=error.status_code)
         finally:
@@ -216,11 +247,12 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     async def count_tokens(request: Request, session_id: str | None) -> Response:
         state = state_of(request)
         try:
-            document, _ = await read_json_body(request, settings.proxy_max_body_bytes)
-            await state.registry.resolve(session_id, _api_key(request), settings.session_wait_s)
+            await state.registry.authenticate(session_id, _api_key(request), settings.session_wait_s)
+            require_json_media_type(request)
+            document = decode_json_body(await read_body(request, state.max_body_bytes))
             count = await state.engine.count_prompt_tokens(messages.parse_count(document))
         except Exception as exc:
-            error = _as_proxy_error(request, exc)
+            error = as_proxy_error(exc, request.url.path)
             return JSONResponse(messages.error_body(error), status_code=error.status_code)
         return JSONResponse({"input_tokens": count})
 
@@ -241,12 +273,13 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
 
     async def gemini_call(request: Request, session_id: str | None, target: str) -> Response:
         model, _, method = target.rpartition(":")
+        refusal = None
         if method not in ("generateContent", "streamGenerateContent") or not model:
-            error = NotFound(f"no Gemini method {target!r}: use models/MODEL:generateContent or "
-                             "models/MODEL:streamGenerateContent")
-            return JSONResponse(gemini.error_body(error), status_code=error.status_code)
-        route = Route(model=model, stream=method == "streamGenerateContent", query=dict(request.query_params))
-        return await serve_call(request, gemini, session_id, route)
+            refusal = NotFound(f"no Gemini method {target!r}: use models/MODEL:generateContent or "
+                               "models/MODEL:streamGenerateContent")
+        route = Route(model=model or None, stream=method == "streamGenerateContent",
+                      query=dict(request.query_params))
+        return await serve_call(request, gemini, session_id, route, refusal)
 
     @app.post("/v1beta/models/{target:path}")
     async def gemini_by_key(request: Request, target: str) -> Response:
@@ -315,20 +348,27 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         where = ".".join(str(p) for p in first.get("loc", ()))
         return JSONResponse({"detail": f"{where}: {first.get('msg')}"}, status_code=422)
 
+    errors_by_provider = {"openai": chat.error_body, "anthropic": messages.error_body,
+                          "gemini": gemini.error_body}
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """No such route or method: answered in the shape of the API the path belongs to."""
+        provider = _provider_for_path(request.url.path)
+        if provider == "rollwire":
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        error = NotFound(f"{request.method} {request.url.path}: {exc.detail}")
+        error.status_code = exc.status_code
+        return JSONResponse(errors_by_provider[provider](error), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(openai_chat.error_body(_as_proxy_error(request, exc)), status_code=500)
+        error = as_proxy_error(exc, request.url.path)
+        provider = _provider_for_path(request.url.path)
+        render = errors_by_provider.get(provider, chat.error_body)
+        return JSONResponse(render(error), status_code=500)
 
     return app
-
-
-def _as_proxy_error(request: Request, exc: Exception) -> ProxyError:
-    """``exc`` as the ProxyError to answer with; anything else is a bug of ours, logged, and still answered
-    in the caller's protocol (a 500 without a traceback)."""
-    if isinstance(exc, ProxyError):
-        return exc
-    logger.exception("unhandled error on %s", request.url.path)
-    return ProxyError(f"internal proxy error ({type(exc).__name__}); see the proxy log")
 
 
 async def _publish(state: ProxyState, event: SessionSpec | SessionEnded) -> JSONResponse | None:

@@ -4,7 +4,9 @@ A provider module parses and normalizes the request and supplies a :class:`Rende
 the rest. Whole replies are returned only after the completion event is acknowledged. Streams are
 relayed as the engine produces them, but their closing part (finish reason, usage, end marker) is sent
 only once the event is acknowledged; if capture fails the stream ends with an error instead, so the
-harness retries rather than keeping unrecorded tokens. A failed call is recorded too, with its reason.
+harness retries rather than keeping unrecorded tokens. A failed call is recorded too, with its reason,
+exactly once (:meth:`CallService.record_failure`; the HTTP layer uses it for calls refused before they
+reach the engine).
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from proxy.engine import (
     engine_body,
     fit_max_tokens,
 )
-from proxy.errors import CaptureFailed, ClientDisconnected, EngineFailed, ProxyError
+from proxy.errors import (
+    CaptureFailed,
+    ClientDisconnected,
+    EngineFailed,
+    ProxyError,
+    UnrecordableEvent,
+    as_proxy_error,
+)
 from proxy.metrics import ProxyMetrics
 from proxy.providers import Renderer
 from proxy.sessions import LiveSession
@@ -34,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 class CallService:
-    """Runs calls against the engine and records them."""
+    """Runs calls against the engine and records them: every call that reaches it leaves one event."""
 
     def __init__(self, engine: VllmEngine, recorder: Recorder, metrics: ProxyMetrics, *,
                  upstream_stream: bool = True) -> None:
@@ -44,17 +53,25 @@ class CallService:
         self.upstream_stream = upstream_stream
         self._background: set[asyncio.Task[None]] = set()
 
-    async def _record_failure(self, ctx: CallContext, request: NormalizedRequest, error: ProxyError,
-                              turn: EngineTurn | None = None) -> None:
-        """Best effort: a failed call is recorded, but a Kafka outage must not mask the original error."""
+    async def record_failure(self, ctx: CallContext, request: NormalizedRequest, error: ProxyError,
+                             turn: EngineTurn | None = None) -> None:
+        """Record a failed call once (``error.recorded``). Best effort: a Kafka outage must not mask the
+        original error, which the caller answers with."""
+        if error.recorded:
+            return
+        error.recorded = True
         self.metrics.error(ctx.api, error.kind)
         if isinstance(error, CaptureFailed):
             return
         try:
-            await self.recorder.record(completion_event(ctx, request, turn, error))
+            await self.recorder.record_completion(completion_event(ctx, request, turn, error))
             self.metrics.event("error")
-        except CaptureFailed as exc:
-            logger.warning("failed call %s/%d not recorded: %s", ctx.session_id, ctx.sequence, exc)
+        except (CaptureFailed, UnrecordableEvent) as exc:
+            logger.warning("failed call %s/%d not recorded: %s", ctx.session_id, ctx.sequence, exc.message)
+
+    async def _record_turn(self, ctx: CallContext, request: NormalizedRequest, turn: EngineTurn) -> None:
+        _check_turn(turn)
+        await self.recorder.record_completion(completion_event(ctx, request, turn))
 
     async def _prepare(self, request: NormalizedRequest, stream: bool) -> tuple[NormalizedRequest, dict, str]:
         """The request as it will be sent (fitted to the engine), its engine body, and the served model."""
@@ -63,7 +80,7 @@ class CallService:
         return request, engine_body(request, model, stream=stream), model
 
     async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest) -> EngineTurn:
-        """Call the engine, record the event, and return the turn (raises ProxyError)."""
+        """Call the engine, record the event, and return the turn (raises ProxyError, already recorded)."""
         request = effective_request(request, session.spec.engine)
         turn: EngineTurn | None = None
         try:
@@ -72,11 +89,11 @@ class CallService:
             ctx.upstream_started_at = utcnow()
             turn = await self.engine.complete(body)
             ctx.first_token_at = utcnow()
-            _check_tokens(turn)
-            await self.recorder.record(completion_event(ctx, request, turn))
-        except ProxyError as error:
-            await self._record_failure(ctx, request, error, turn)
-            raise
+            await self._record_turn(ctx, request, turn)
+        except Exception as exc:
+            error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
+            await self.record_failure(ctx, request, error, turn)
+            raise error from exc
         self.metrics.event("ok")
         return turn
 
@@ -85,7 +102,8 @@ class CallService:
         """The reply as byte chunks of the provider's stream; recording happens before the closing chunks.
 
         A ProxyError raised before the first chunk propagates (the caller answers with an HTTP error);
-        after it, the error is rendered into the stream.
+        after it, the error is rendered into the stream, so the harness sees a failed call (never a
+        normal stop, never a reset connection). Either way the failure is recorded first.
         """
         if not self.upstream_stream:
             async for chunk in self._synthetic_stream(ctx, session, request, renderer):
@@ -111,14 +129,14 @@ class CallService:
             finally:
                 await deltas.aclose()
             turn = assembler.turn()
-            _check_tokens(turn)
-            await self.recorder.record(completion_event(ctx, request, turn))
+            await self._record_turn(ctx, request, turn)
             outcome = "recorded"
-        except ProxyError as error:
+        except Exception as exc:
             outcome = "failed"
-            await self._record_failure(ctx, request, error, assembler.turn())
+            error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
+            await self.record_failure(ctx, request, error, assembler.turn())
             if not started:
-                raise
+                raise error from exc
             for chunk in renderer.stream_error(error):
                 yield chunk
             return
@@ -127,7 +145,7 @@ class CallService:
                 # The harness went away (we were cancelled or closed mid-stream): record that in a task of
                 # its own, since this one may not await anything any more.
                 error = ClientDisconnected("the client closed the stream before it ended")
-                self._detach(self._record_failure(ctx, request, error, assembler.turn()))
+                self._detach(self.record_failure(ctx, request, error, assembler.turn()))
         self.metrics.event("ok")
         for chunk in renderer.stream_finish(turn):
             yield chunk
@@ -144,9 +162,13 @@ class CallService:
             yield chunk
 
 
-def _check_tokens(turn: EngineTurn) -> None:
-    """The engine must give token data: without it the call cannot be used for training."""
+def _check_turn(turn: EngineTurn) -> None:
+    """The engine must give token data and say how the turn ended: without them the call cannot be used
+    for training (a turn with no finish reason may be cut off, and must not reach training as complete)."""
     if not turn.prompt_token_ids:
         raise EngineFailed("the engine returned no prompt_token_ids: is it vLLM with return_token_ids support?")
     if turn.logprobs and len(turn.logprobs) != len(turn.token_ids):
         raise EngineFailed(f"the engine returned {len(turn.logprobs)} logprobs for {len(turn.token_ids)} tokens")
+    if turn.finish_reason is None:
+        raise EngineFailed("the engine's reply ended without a finish reason: the turn may be cut off, so it "
+                           "is not served or recorded as complete")

@@ -1,8 +1,16 @@
 """Durable capture: turning a served call into a completion event and getting the broker's ack.
 
 The :class:`Recorder` owns the proxy's Kafka producer. ``record`` returns only when the broker has the
-event; on any failure it raises :class:`~proxy.errors.CaptureFailed` (the caller withholds the reply)
-and replaces its producer, so that the proxy recovers by itself once Kafka is back.
+event; when Kafka fails it raises :class:`~proxy.errors.CaptureFailed` (the caller withholds the reply)
+and replaces its producer, so that the proxy recovers by itself once Kafka is back. An event that can
+never be written as it is (over the record limit, or not encodable) is not a Kafka failure: the producer
+is kept, and :meth:`Recorder.record_completion` writes a slimmed failed-call event in its place, so the
+call's tokens are never lost (:func:`slimmed`).
+
+What a refused call's event holds: ``status: error`` with ``error.kind``/``message``/``http_status``;
+``request.messages`` empty when the body could not be read or parsed (too large, wrong media type, not
+JSON, nested too deep, invalid for the API); ``request_digest`` the sha256 of the body as received, or
+None when it was never read (over the size limit, wrong media type); no token ids.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from proxy.engine import EngineTurn
-from proxy.errors import CaptureFailed, ProxyError
+from proxy.errors import CaptureFailed, ProxyError, UnrecordableEvent
 from schemas.completions import (
     AssistantMessage,
     CallTimings,
@@ -26,7 +34,7 @@ from schemas.completions import (
 )
 from schemas.envelope import Event, utcnow
 from schemas.transport import EventProducer, KafkaSettings
-from schemas.transport.errors import TransportError
+from schemas.transport.errors import EventTooLargeError, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +54,7 @@ class CallContext:
     sequence: int
     requested_model: str | None
     served_model: str | None
-    digest: str
+    digest: str | None
     body: str | None = None
     retry_of: int | None = None
     retry_count: int = 0
@@ -54,6 +62,17 @@ class CallContext:
     received_at: datetime = field(default_factory=utcnow)
     upstream_started_at: datetime | None = None
     first_token_at: datetime | None = None
+
+
+EMPTY_REQUEST = NormalizedRequest(messages=[])
+
+
+def slimmed(event: Completion, reason: UnrecordableEvent) -> Completion:
+    """A failed-call event that fits where ``event`` did not: the request and body dropped, tokens kept."""
+    return event.model_copy(update={
+        "request": EMPTY_REQUEST, "request_body": None, "status": "error", "error": reason.call_error(),
+        "message": None,
+    })
 
 
 def _ms(start: datetime, end: datetime | None) -> float | None:
@@ -134,15 +153,32 @@ class Recorder:
                                 "retry shortly") from exc
 
     async def record(self, event: Event) -> None:
-        """Return once the broker has ``event``; raise CaptureFailed otherwise."""
+        """Return once the broker has ``event``; raise CaptureFailed (Kafka failed, retryable) or
+        UnrecordableEvent (this event can never be written as it is)."""
         try:
             producer = await self._ready_producer()
             await asyncio.wait_for(producer.send(event), self.timeout_s)
+        except EventTooLargeError as exc:
+            raise UnrecordableEvent(f"the call is too large to record: {exc}") from exc
+        except (TypeError, ValueError, RecursionError) as exc:
+            # orjson refuses what JSON cannot hold; the producer itself is fine.
+            logger.warning("event %s not encodable: %r", event.event_id, exc)
+            raise UnrecordableEvent(f"the call cannot be recorded: its event is not encodable ({exc})") from exc
         except (TransportError, TimeoutError, OSError) as exc:
             self.failures += 1
             await self._discard_producer()
             raise CaptureFailed(f"the call could not be recorded (Kafka: {exc!r}); retry shortly") from exc
         self.recorded += 1
+
+    async def record_completion(self, event: Completion) -> None:
+        """Record a completion; if it cannot be written as it is, write :func:`slimmed` and raise the reason
+        (marked recorded), so the caller answers with it but never records the call twice."""
+        try:
+            await self.record(event)
+        except UnrecordableEvent as reason:
+            await self.record(slimmed(event, reason))
+            reason.recorded = True
+            raise
 
     async def _discard_producer(self) -> None:
         async with self._lock:

@@ -9,9 +9,9 @@ Every provider API is normalized into one request form and sent here as a chat c
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -255,9 +255,11 @@ def parse_response(body: dict[str, Any]) -> EngineTurn:
 def _error_from_response(status: int, text: str) -> ProxyError:
     try:
         detail = json.loads(text)
-        message = detail.get("error", {}).get("message") if isinstance(detail.get("error"), dict) else None
-        message = message or detail.get("message") or text
-    except (ValueError, AttributeError):
+    except ValueError:
+        detail = None
+    if isinstance(detail, dict):
+        message = _error_text(detail["error"]) if "error" in detail else str(detail.get("message") or text)
+    else:
         message = text
     message = str(message)[:2000]
     lowered = message.lower()
@@ -339,9 +341,10 @@ class VllmEngine:
         if response.status_code != 200:
             raise _error_from_response(response.status_code, response.text)
         try:
-            return parse_response(orjson.loads(response.content))
+            document = orjson.loads(response.content)
         except ValueError as exc:
             raise EngineFailed(f"engine reply is not JSON: {response.text[:200]}") from exc
+        return _parsed(parse_response, document)
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[EngineDelta]:
         """The engine's streamed reply, chunk by chunk; closing the iterator cancels the request."""
@@ -361,12 +364,31 @@ class VllmEngine:
                         chunk = orjson.loads(payload)
                     except orjson.JSONDecodeError as exc:
                         raise EngineFailed(f"engine sent a chunk that is not JSON: {payload[:200]}") from exc
+                    if not isinstance(chunk, dict):
+                        raise EngineFailed(f"engine sent a chunk that is not a JSON object: {payload[:200]}")
                     if "error" in chunk and "choices" not in chunk:
-                        error = chunk["error"]
-                        raise EngineFailed(f"engine failed mid-stream: {error.get('message', error)}")
-                    yield parse_chunk(chunk)
+                        raise EngineFailed(f"engine failed mid-stream: {_error_text(chunk['error'])}")
+                    yield _parsed(parse_chunk, chunk)
         except httpx.HTTPError as exc:
             raise _translate(exc) from exc
+
+
+def _error_text(error: Any) -> str:
+    """The message of an engine error payload, whatever its shape (vLLM sends an object; others a string)."""
+    if isinstance(error, dict):
+        error = error.get("message") or error
+    return str(error)[:2000]
+
+
+ParsedT = TypeVar("ParsedT")
+
+
+def _parsed(parse: Callable[[dict[str, Any]], ParsedT], document: dict[str, Any]) -> ParsedT:
+    """``parse(document)``, with an engine reply of the wrong shape (a field of another type) as EngineFailed."""
+    try:
+        return parse(document)
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+        raise EngineFailed(f"engine reply has an unexpected shape ({exc!r}): {str(document)[:200]}") from exc
 
 
 def _translate(exc: httpx.HTTPError) -> ProxyError:

@@ -6,7 +6,11 @@ harness sees. Retryable ones (engine down, capture failed) use 5xx so that SDKs 
 
 from __future__ import annotations
 
+import logging
+
 from schemas.completions import CallError
+
+logger = logging.getLogger(__name__)
 
 
 class ProxyError(Exception):
@@ -15,6 +19,8 @@ class ProxyError(Exception):
     kind: str = "internal"
     status_code: int = 500
     param: str | None = None
+    #: set once a failed-call event for this error has been written (or tried): never recorded twice
+    recorded: bool = False
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -33,9 +39,9 @@ class BadRequest(ProxyError):
 
 
 class PayloadTooLarge(BadRequest):
-    """The request body is over the configured limit."""
+    """The request body is over the configured limit, or the call is too large to record."""
 
-    status_code = 413
+    kind, status_code = "payload_too_large", 413
 
 
 class UnsupportedMediaType(BadRequest):
@@ -96,3 +102,20 @@ class ClientDisconnected(ProxyError):
     """The harness went away before the reply was complete (recorded, never sent)."""
 
     kind, status_code = "client_disconnected", 499
+
+
+class UnrecordableEvent(ProxyError):
+    """The call's event cannot be written as it is (over the record limit, or not encodable); not retryable.
+
+    The caller records a slimmed failed-call event instead (tokens kept, request dropped)."""
+
+    kind, status_code = "payload_too_large", 413
+
+
+def as_proxy_error(exc: BaseException, where: str = "") -> ProxyError:
+    """``exc`` as the ProxyError to answer and record; anything else is a bug of ours: logged with its
+    traceback, and still answered in the caller's protocol (a 500 without a traceback) and recorded."""
+    if isinstance(exc, ProxyError):
+        return exc
+    logger.error("unhandled error%s", f" on {where}" if where else "", exc_info=exc)
+    return ProxyError(f"internal proxy error ({type(exc).__name__}); see the proxy log")

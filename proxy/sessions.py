@@ -2,7 +2,8 @@
 
 The registry is a view of two topics: ``sessions`` (compacted specs) and ``session-events`` (their
 ends), read from the beginning by every proxy instance. The proxy never invents a session: an id or key
-the registry does not know, after a short wait for it to catch up, is refused. Per-session call numbers
+the registry does not know, after a short wait for it to catch up, is refused, and a call addressed by
+path must still carry that session's own key (:meth:`SessionRegistry.authenticate`). Per-session call numbers
 (``sequence``) and the digests that identify SDK retries live here too; they are this instance's, so a
 session's calls should be routed to one proxy instance (as a key-hashing load balancer does).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -97,10 +99,31 @@ class SessionRegistry:
             return self._by_id.get(self._by_key[api_key])
         return None
 
-    async def resolve(self, session_id: str | None, api_key: str | None, wait_s: float = 0.0) -> LiveSession:
-        """The live session a call names by path or key; UnknownSession if there is none."""
-        if session_id is None and not api_key:
-            raise UnknownSession("no session: call /s/{session_id}/v1/... or send the session's API key")
+    async def authenticate(self, session_id: str | None, api_key: str | None, wait_s: float = 0.0) -> LiveSession:
+        """The live session a call may act for; the one place that decides it.
+
+        A call names its session by path (``session_id``) or by key alone; either way it must carry that
+        session's own API key, so knowing (or guessing) a sibling's id is not enough to write into its
+        trajectory. Anything else raises UnknownSession (401), before the body is read.
+        """
+        if not api_key:
+            raise UnknownSession("no API key: send the session's key (Authorization: Bearer, x-api-key, "
+                                 "x-goog-api-key or ?key=)")
+        session = await self._wait_for(session_id, api_key, wait_s)
+        if session is None:
+            named = f"session {session_id!r}" if session_id is not None else "this API key"
+            raise UnknownSession(f"{named} is not a registered rollwire session; register it first "
+                                 "(POST /v1/sessions or a rollout task)")
+        expected = session.spec.api_key
+        if expected is None or not hmac.compare_digest(expected.encode(), api_key.encode()):
+            # Same answer whether the session exists or not: an id is not a credential.
+            raise UnknownSession(f"this API key is not the key of session {session_id!r}")
+        if session.ended:
+            raise UnknownSession(f"session {session.session_id!r} has ended")
+        return session
+
+    async def _wait_for(self, session_id: str | None, api_key: str | None, wait_s: float) -> LiveSession | None:
+        """The session by id or key, waiting up to ``wait_s`` for the registry to catch up."""
         session = self._lookup(session_id, api_key)
         if session is None and wait_s > 0:
             with contextlib.suppress(TimeoutError):
@@ -108,12 +131,6 @@ class SessionRegistry:
                     await asyncio.wait_for(
                         self._changed.wait_for(lambda: self._lookup(session_id, api_key) is not None), wait_s)
             session = self._lookup(session_id, api_key)
-        if session is None:
-            named = f"session {session_id!r}" if session_id is not None else "this API key"
-            raise UnknownSession(f"{named} is not a registered rollwire session; register it first "
-                                 "(POST /v1/sessions or a rollout task)")
-        if session.ended:
-            raise UnknownSession(f"session {session.session_id!r} has ended")
         return session
 
 

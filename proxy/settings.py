@@ -21,7 +21,9 @@ class ProxySettings(BaseSettings):
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 18080
     proxy_public_url: str | None = Field(default=None, description="Base URL harnesses use, if not host:port.")
-    proxy_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    proxy_max_body_bytes: int | None = Field(default=None, ge=1024, description=(
+        "Largest request body; default half the Kafka record limit (ROLLWIRE_MAX_MESSAGE_BYTES), since a "
+        "call's event holds its messages and its prompt token ids. Larger bodies get a 413."))
     engine_connect_timeout_s: float = Field(default=5.0, gt=0)
     engine_timeout_s: float = Field(default=600.0, gt=0, description="Longest wait for the engine's reply.")
     capture_timeout_s: float = Field(default=15.0, gt=0, description="Longest wait for Kafka to ack an event.")
@@ -31,6 +33,10 @@ class ProxySettings(BaseSettings):
         "Relay the engine's stream; when false, call the engine whole and synthesize the stream."))
     record_request_body: bool = Field(default=False, description=(
         "Keep the original request body in completion events besides its sha256 digest (larger events)."))
+
+    def max_body_bytes(self, max_message_bytes: int) -> int:
+        """The body limit in force: the configured one, or half of what one Kafka record may hold."""
+        return self.proxy_max_body_bytes or max_message_bytes // 2
 
     @property
     def public_url(self) -> str:

@@ -114,7 +114,7 @@ class CallTimings(Model):
 class CallError(Model):
     """Why a call failed."""
 
-    kind: Literal["bad_request", "unknown_session", "engine_unavailable", "engine_timeout",
+    kind: Literal["bad_request", "payload_too_large", "unknown_session", "engine_unavailable", "engine_timeout",
                   "context_overflow", "engine_error", "capture_failed", "client_disconnected", "internal"]
     message: str
     http_status: int | None = None

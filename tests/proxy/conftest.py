@@ -46,6 +46,11 @@ class ProxyUnderTest:
         return sorted(got, key=lambda e: (e.session_id, e.sequence))
 
 
+def auth(session: dict) -> dict[str, str]:
+    """The header that carries a session's key (every call needs it, also on its /s/{id}/ path)."""
+    return {"authorization": f"Bearer {session['api_key']}"}
+
+
 def proxy_settings(engine_url: str, **overrides: object) -> ProxySettings:
     values = dict(engine_url=engine_url, session_wait_s=0.3, capture_timeout_s=5.0, engine_timeout_s=10.0)
     values.update(overrides)

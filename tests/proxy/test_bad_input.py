@@ -8,7 +8,7 @@ import pytest
 
 from proxy.app import create_app
 from schemas.transport import KafkaSettings
-from tests.proxy.conftest import ProxyUnderTest, proxy_settings
+from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import free_port, serve
 
 pytestmark = pytest.mark.kafka
@@ -36,7 +36,8 @@ def openai_error(response: httpx.Response, status: int) -> dict:
 ])
 def test_malformed_requests(proxy: ProxyUnderTest, content: bytes, headers: dict, status: int, fragment: str) -> None:
     session = proxy.new_session()
-    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", content=content, headers=headers)
+    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", content=content,
+                          headers={**headers, **auth(session)})
     assert fragment in openai_error(response, status)["message"]
 
 
@@ -44,7 +45,7 @@ def test_body_over_the_limit_is_413(kafka: KafkaSettings, standin_url: str) -> N
     with serve(create_app(proxy_settings(standin_url, proxy_max_body_bytes=4096), kafka)) as url:
         session = ProxyUnderTest(url, kafka).new_session()
         big = {"messages": [{"role": "user", "content": "x" * 10_000}]}
-        response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json=big)
+        response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json=big, headers=auth(session))
         assert "limit" in openai_error(response, 413)["message"]
 
 
@@ -56,7 +57,7 @@ async def test_engine_errors_are_shaped_and_recorded(proxy: ProxyUnderTest, fail
     session = proxy.new_session(engine={"extra": {"standin_fail": fail}})
     for stream in (False, True):
         response = httpx.post(f"{session['base_urls']['openai']}/chat/completions",
-                              json={"messages": MESSAGES, "stream": stream}, timeout=30)
+                              json={"messages": MESSAGES, "stream": stream}, timeout=30, headers=auth(session))
         error = openai_error(response, status)
         if kind == "context_overflow":
             assert error["code"] == "context_length_exceeded" and "context" in error["message"]
@@ -71,7 +72,7 @@ async def test_engine_timeout_is_504_and_recorded(kafka: KafkaSettings, standin_
         proxy = ProxyUnderTest(url, kafka)
         session = proxy.new_session(engine={"extra": {"standin_fail": "hang"}})
         response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json={"messages": MESSAGES},
-                              timeout=30)
+                              timeout=30, headers=auth(session))
         assert openai_error(response, 504)["type"] == "server_error"
         [event] = await proxy.completions(1)
         assert event.error.kind == "engine_timeout"
@@ -81,7 +82,8 @@ async def test_engine_down_is_503_and_recorded(kafka: KafkaSettings) -> None:
     with serve(create_app(proxy_settings(f"http://127.0.0.1:{free_port()}", served_model="m"), kafka)) as url:
         proxy = ProxyUnderTest(url, kafka)
         session = proxy.new_session()
-        response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json={"messages": MESSAGES})
+        response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json={"messages": MESSAGES},
+                              headers=auth(session))
         assert "cannot be reached" in openai_error(response, 503)["message"]
         [event] = await proxy.completions(1)
         assert event.error.kind == "engine_unavailable" and event.prompt_token_ids is None
@@ -90,7 +92,7 @@ async def test_engine_down_is_503_and_recorded(kafka: KafkaSettings) -> None:
 async def test_stream_broken_midway_ends_with_an_error_and_no_finish(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session(engine={"extra": {"standin_fail": "cut"}})
     response = httpx.post(f"{session['base_urls']['openai']}/chat/completions",
-                          json={"messages": MESSAGES, "stream": True}, timeout=30)
+                          json={"messages": MESSAGES, "stream": True}, timeout=30, headers=auth(session))
     assert response.status_code == 200  # the stream had started
     payloads = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
     assert "[DONE]" not in payloads and '"finish_reason":"' not in response.text
@@ -103,13 +105,14 @@ async def test_stream_broken_midway_ends_with_an_error_and_no_finish(proxy: Prox
 def test_metrics_count_requests_errors_and_events(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session()
     url = f"{session['base_urls']['openai']}/chat/completions"
-    httpx.post(url, json={"messages": MESSAGES})
-    httpx.post(url, json={"messages": []})
-    httpx.post(f"{proxy.url}/s/nobody/v1/chat/completions", json={"messages": MESSAGES})
+    httpx.post(url, json={"messages": MESSAGES}, headers=auth(session))
+    httpx.post(url, json={"messages": []}, headers=auth(session))
+    httpx.post(f"{proxy.url}/s/nobody/v1/chat/completions", json={"messages": MESSAGES}, headers=auth(session))
     text = httpx.get(f"{proxy.url}/metrics").text
     assert 'rollwire_proxy_requests_total{api="openai.chat",status="200"} 1.0' in text
     assert 'rollwire_proxy_requests_total{api="openai.chat",status="400"} 1.0' in text
     assert 'rollwire_proxy_errors_total{api="openai.chat",kind="unknown_session"} 1.0' in text
     assert 'rollwire_proxy_completion_events_total{status="ok"} 1.0' in text
+    assert 'rollwire_proxy_completion_events_total{status="error"} 1.0' in text  # the refused call too
     assert 'rollwire_proxy_sessions{state="live"} 1.0' in text
     assert "rollwire_proxy_request_seconds_bucket" in text

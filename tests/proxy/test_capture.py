@@ -15,7 +15,7 @@ from proxy.app import create_app
 from schemas.sessions import SessionSpec
 from schemas.tasks import EngineParams
 from schemas.transport import EventProducer, KafkaSettings
-from tests.proxy.conftest import ProxyUnderTest, proxy_settings
+from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import free_port, serve
 
 pytestmark = pytest.mark.kafka
@@ -37,11 +37,12 @@ async def test_kafka_outage_withholds_replies_and_recovers(tmp_path: Path, stand
             proxy = ProxyUnderTest(url, kafka)
             session = proxy.new_session(session_id="outage-1")
             chat = f"{session['base_urls']['openai']}/chat/completions"
-            assert httpx.post(chat, json={"messages": MESSAGES}, timeout=30).status_code == 200
+            assert httpx.post(chat, json={"messages": MESSAGES}, timeout=30, headers=auth(session)).status_code == 200
 
             broker.stop()
             for stream in (False, True):
-                response = httpx.post(chat, json={"messages": MESSAGES, "stream": stream}, timeout=30)
+                response = httpx.post(chat, json={"messages": MESSAGES, "stream": stream}, timeout=30,
+                                      headers=auth(session))
                 assert response.status_code == 503, response.text  # retryable, and no tokens served
                 assert response.json()["error"]["code"] == "capture_failed"
                 assert "choices" not in response.json()
@@ -49,7 +50,7 @@ async def test_kafka_outage_withholds_replies_and_recovers(tmp_path: Path, stand
             broker.start(timeout_s=180)
             deadline = time.monotonic() + 60
             while True:
-                response = httpx.post(chat, json={"messages": MESSAGES}, timeout=30)
+                response = httpx.post(chat, json={"messages": MESSAGES}, timeout=30, headers=auth(session))
                 if response.status_code == 200 or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(1)
@@ -90,7 +91,8 @@ async def test_client_hanging_up_mid_stream_is_recorded(kafka: KafkaSettings, st
         session = proxy.new_session()
         async with httpx.AsyncClient(timeout=30) as client:
             async with client.stream("POST", f"{session['base_urls']['openai']}/chat/completions",
-                                     json={"messages": MESSAGES, "stream": True}) as response:
+                                     json={"messages": MESSAGES, "stream": True},
+                                     headers=auth(session)) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         break  # the first token arrived: hang up

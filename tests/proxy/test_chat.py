@@ -9,7 +9,7 @@ import pytest
 
 from bench.standin_engine import render_prompt, tokenize
 from proxy.engine import engine_body
-from tests.proxy.conftest import ProxyUnderTest
+from tests.proxy.conftest import ProxyUnderTest, auth
 
 pytestmark = pytest.mark.kafka
 
@@ -29,7 +29,8 @@ def sse_payloads(text: str) -> list[str]:
 
 async def test_unknown_session_is_refused_in_openai_shape(proxy: ProxyUnderTest) -> None:
     body = {"model": "m", "messages": MESSAGES}
-    by_path = httpx.post(f"{proxy.url}/s/no-such-session/v1/chat/completions", json=body)
+    by_path = httpx.post(f"{proxy.url}/s/no-such-session/v1/chat/completions", json=body,
+                         headers={"authorization": "Bearer some-key-123"})
     by_key = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers={"authorization": "Bearer nope-nope"})
     no_key = httpx.post(f"{proxy.url}/v1/chat/completions", json=body)
     for response in (by_path, by_key, no_key):
@@ -41,7 +42,7 @@ async def test_unknown_session_is_refused_in_openai_shape(proxy: ProxyUnderTest)
 
 async def test_whole_reply_is_captured_token_for_token(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session(session_id="whole-1")
-    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=30,
+    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=30, headers=auth(session),
                           json={"model": "gpt-harness", "messages": MESSAGES, "max_tokens": 8, "logprobs": True})
     assert response.status_code == 200, response.text
     reply = response.json()
@@ -89,7 +90,8 @@ async def test_forced_tool_call_comes_back_as_tool_calls(proxy: ProxyUnderTest, 
     session = proxy.new_session(engine={"extra": {"structured_outputs": {"regex": FORCED_CALL}}, "seed": 3})
     body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "stream": stream,
             "max_tokens": 200, "temperature": 0.7}
-    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json=body, timeout=30)
+    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json=body, timeout=30,
+                          headers=auth(session))
     assert response.status_code == 200, response.text
     if stream:
         chunks = [json.loads(p) for p in sse_payloads(response.text)[:-1]]
@@ -120,7 +122,7 @@ async def test_sdk_retry_is_marked_as_a_retry_of_the_same_turn(proxy: ProxyUnder
     session = proxy.new_session()
     url = f"{session['base_urls']['openai']}/chat/completions"
     body = json.dumps({"model": "m", "messages": MESSAGES}).encode()
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **auth(session)}
     assert httpx.post(url, content=body, headers=headers).status_code == 200
     assert httpx.post(url, content=body, headers={**headers, "x-stainless-retry-count": "1"}).status_code == 200
     next_turn = json.dumps({"model": "m", "messages": MESSAGES + [{"role": "user", "content": "more"}]}).encode()
@@ -135,5 +137,6 @@ async def test_ended_session_is_refused(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session()
     ended = httpx.post(f"{proxy.url}/v1/sessions/{session['session_id']}/end", json={"status": "completed"})
     assert ended.status_code == 200 and ended.json()["live"] is False
-    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json={"messages": MESSAGES})
+    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json={"messages": MESSAGES},
+                          headers=auth(session))
     assert response.status_code == 401 and "has ended" in response.json()["error"]["message"]
