@@ -34,7 +34,7 @@ from proxy.calls import CallService
 from proxy.capture import EMPTY_REQUEST, CallContext, Recorder, body_digest
 from proxy.engine import VllmEngine
 from proxy.errors import CaptureFailed, NotFound, ProxyError, UpgradeRequired, as_proxy_error
-from proxy.limits import decode_json_body, read_body, require_json_media_type
+from proxy.limits import check_request, decode_json_body, read_body, require_json_media_type
 from proxy.metrics import ProxyMetrics
 from proxy.providers import ParsedCall, ProviderApi, Route
 from proxy.sessions import LiveSession, RegistryFeed, SessionRegistry
@@ -102,7 +102,9 @@ _PARSE_INLINE_BYTES = 256 * 1024
 async def _parse(provider: ProviderApi, raw: bytes, route: Route) -> tuple[Any, ParsedCall]:
     def parse() -> tuple[Any, ParsedCall]:
         document = decode_json_body(raw)
-        return document, provider.parse(document, route)
+        call = provider.parse(document, route)
+        check_request(call.request)
+        return document, call
 
     if len(raw) <= _PARSE_INLINE_BYTES:
         return parse()

@@ -65,9 +65,15 @@ class CallService:
             return
         try:
             await self.recorder.record_completion(completion_event(ctx, request, turn, error))
-            self.metrics.event("error")
-        except (CaptureFailed, UnrecordableEvent) as exc:
+        except UnrecordableEvent as exc:
+            if not exc.recorded:
+                logger.warning("failed call %s/%d not recorded: %s", ctx.session_id, ctx.sequence, exc.message)
+                return
+            # recorded slimmed (request dropped); the caller still answers with the call's own error
+        except CaptureFailed as exc:
             logger.warning("failed call %s/%d not recorded: %s", ctx.session_id, ctx.sequence, exc.message)
+            return
+        self.metrics.event("error")
 
     async def _record_turn(self, ctx: CallContext, request: NormalizedRequest, turn: EngineTurn) -> None:
         _check_turn(turn)

@@ -68,10 +68,16 @@ EMPTY_REQUEST = NormalizedRequest(messages=[])
 
 
 def slimmed(event: Completion, reason: UnrecordableEvent) -> Completion:
-    """A failed-call event that fits where ``event`` did not: the request and body dropped, tokens kept."""
+    """A failed-call event that fits where ``event`` did not: the request and body dropped, tokens kept.
+
+    A call that had already failed keeps its own error (the note says what was dropped); a served call
+    becomes a failed one with ``reason``."""
+    error = reason.call_error()
+    if event.error is not None:
+        error = event.error.model_copy(update={"message": f"{event.error.message} [request not recorded: "
+                                                          f"{reason.message}]"})
     return event.model_copy(update={
-        "request": EMPTY_REQUEST, "request_body": None, "status": "error", "error": reason.call_error(),
-        "message": None,
+        "request": EMPTY_REQUEST, "request_body": None, "status": "error", "error": error, "message": None,
     })
 
 

@@ -1,7 +1,8 @@
 """The one place that bounds what the proxy reads and parses from a caller: body size, media type, JSON depth.
 
 Everything a harness sends passes through :func:`read_json_body` before any provider module sees it, and
-JSON text that arrives inside a body (tool-call arguments) goes through :func:`loads_bounded`. The limits:
+JSON text that arrives inside a body (tool-call arguments) is checked by :func:`check_request` once the
+provider module has normalized the call. The limits:
 
 - **Body size**: ``ROLLWIRE_PROXY_MAX_BODY_BYTES``, by default half the Kafka record limit
   (``ROLLWIRE_MAX_MESSAGE_BYTES``, 8 MiB, so 4 MiB): a call's event holds its messages (about the body's
@@ -21,6 +22,8 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
+
+from schemas.completions import NormalizedRequest
 
 from proxy.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 
@@ -98,3 +101,17 @@ def decode_json_body(raw: bytes) -> Any:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     check_depth(document)
     return document
+
+
+def check_request(request: NormalizedRequest) -> None:
+    """The limits on what a normalized request carries as JSON text: tool-call arguments (the engine and
+    the chat template parse them) within the depth limit. Freeform arguments (not JSON) are left alone."""
+    for i, message in enumerate(request.messages):
+        for j, call in enumerate(message.tool_calls):
+            text = call.arguments
+            if not text or text[0] not in "[{":
+                continue
+            try:
+                loads_bounded(text, f"messages.{i}.tool_calls.{j}.arguments")
+            except orjson.JSONDecodeError:
+                continue
