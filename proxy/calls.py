@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import replace
 from typing import Any
 
+from proxy.branches import Placement
 from proxy.capture import CallContext, Recorder, completion_event
+from proxy.continuation import CannotContinue, Continuations
 from proxy.engine import (
     EngineTurn,
     TurnAssembler,
@@ -28,6 +31,7 @@ from proxy.engine import (
 from proxy.errors import (
     CaptureFailed,
     ClientDisconnected,
+    ContextOverflow,
     EngineFailed,
     ProxyError,
     UnrecordableEvent,
@@ -36,7 +40,8 @@ from proxy.errors import (
 from proxy.metrics import ProxyMetrics
 from proxy.providers import Renderer
 from proxy.sessions import LiveSession
-from schemas.completions import NormalizedRequest
+from proxy.token_api import TokenApi, TokenApiMissing
+from schemas.completions import ChatMessage, Continuation, NormalizedRequest
 from schemas.envelope import utcnow
 
 logger = logging.getLogger(__name__)
@@ -48,6 +53,8 @@ class CallService:
     def __init__(self, engine: VllmEngine, recorder: Recorder, metrics: ProxyMetrics, *,
                  upstream_stream: bool = True) -> None:
         self.engine = engine
+        self.tokens = TokenApi(engine.client)
+        self.continuations = Continuations(self.tokens)
         self.recorder = recorder
         self.metrics = metrics
         self.upstream_stream = upstream_stream
@@ -86,22 +93,92 @@ class CallService:
         return request, engine_body(request, model, stream=stream), model
 
     async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest) -> EngineTurn:
-        """Call the engine, record the event, and return the turn (raises ProxyError, already recorded)."""
+        """Call the engine, record the event, and return the turn (raises ProxyError, already recorded).
+
+        In a session's ``exact`` mode (the default) the prompt is built by the proxy from the session's
+        branches (:mod:`proxy.continuation`) and sent as token ids; otherwise, or when the engine has no
+        token endpoints, the engine's chat endpoint renders it."""
+        harness_request = request
         request = effective_request(request, session.spec.engine)
         turn: EngineTurn | None = None
         try:
             await self.recorder.ensure_ready()
             request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
-            turn = await self.engine.complete(body)
+            placement = session.branches.place(request, harness_request)
+            if session.spec.engine.continuation == "exact" and await self.tokens.probe(ctx.served_model):
+                try:
+                    turn, placement = await self._exact(ctx, session, request, placement, body)
+                except TokenApiMissing:
+                    placement = replace(placement, kind="open", branch=None, opened="engine_has_no_token_api")
+            if turn is None:
+                turn = await self.engine.complete(body)
+                ctx.continuation = _rendered_continuation(placement, session)
             ctx.first_token_at = utcnow()
             await self._record_turn(ctx, request, turn)
         except Exception as exc:
             error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
             await self.record_failure(ctx, request, error, turn)
             raise error from exc
+        _remember(session, placement, request, ctx.sequence, turn)
         self.metrics.event("ok")
         return turn
+
+    async def _exact(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                     placement: Placement, body: dict[str, Any]) -> tuple[EngineTurn, Placement]:
+        """One call through the engine's token endpoints: render, build the prompt, generate, derender."""
+        model = ctx.served_model or ""
+        rendered = await self.tokens.render(body)
+        full = list(rendered["token_ids"])
+        prompt, prefix, closed_cut = full, 0, False
+        branch = placement.branch
+        if placement.kind == "continue":
+            try:
+                exact = await self.continuations.extend(placement, request, model)
+                prompt, prefix, closed_cut = exact.token_ids, exact.prefix_tokens, exact.closed_cut_turn
+            except CannotContinue as exc:
+                placement = replace(placement, kind="open", branch=None, opened=exc.reason,
+                                    role=branch.role if branch else placement.role)
+        elif placement.kind == "retry" and branch is not None:
+            prompt, prefix = list(branch.last_prompt), len(branch.last_prompt)
+        generation = await self.tokens.generate(
+            TokenApi.generate_body(rendered, prompt, self._room(request, prompt), stream=False))
+        turn = await self.tokens.derender(generation, body, prompt, model)
+        ctx.weight_versions = generation.weight_versions
+        exact_mode = placement.kind in ("continue", "retry") and placement.branch is not None
+        drift = None
+        if exact_mode:
+            assert placement.branch is not None
+            drift = await self.continuations.drift(placement.branch, prompt, full, request, model)
+        ctx.continuation = Continuation(
+            mode="exact" if exact_mode else "rendered",
+            branch=placement.branch.branch_id if placement.branch else session.branches.next_id,
+            role=placement.branch.role if placement.branch else placement.role,
+            parent_sequence=_parent(placement), prefix_tokens=prefix if exact_mode else 0,
+            new_tokens=len(prompt) - (prefix if exact_mode else 0), closed_cut_turn=closed_cut,
+            opened=placement.opened, drift=drift,
+            retry_of_sequence=placement.branch.last_sequence if placement.kind == "retry" and placement.branch
+            else None)
+        return turn, placement
+
+    async def _exact_mode(self, session: LiveSession) -> bool:
+        if session.spec.engine.continuation != "exact":
+            return False
+        try:
+            return await self.tokens.probe(await self.engine.served_model())
+        except ProxyError:
+            return False  # the engine is not there: the call's own path reports that
+
+    def _room(self, request: NormalizedRequest, prompt: list[int]) -> int | None:
+        """Output tokens for a prompt of this length: the request's, within what the context leaves."""
+        wanted = request.sampling.max_tokens
+        limit = self.engine.max_model_len
+        if limit is None:
+            return wanted
+        room = limit - len(prompt)
+        if room <= 0:
+            raise ContextOverflow(f"the prompt is {len(prompt)} tokens; the engine's context is {limit}")
+        return room if wanted is None else min(wanted, room)
 
     async def stream(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
                      renderer: Renderer) -> AsyncIterator[bytes]:
@@ -111,11 +188,15 @@ class CallService:
         after it, the error is rendered into the stream, so the harness sees a failed call (never a
         normal stop, never a reset connection). Either way the failure is recorded first.
         """
-        if not self.upstream_stream:
+        if not self.upstream_stream or await self._exact_mode(session):
+            # Exact continuation parses the reply with the engine's derender once it is whole: the stream
+            # is synthesized from the recorded turn (first bytes when the turn is done).
             async for chunk in self._synthetic_stream(ctx, session, request, renderer):
                 yield chunk
             return
+        harness_request = request
         request = effective_request(request, session.spec.engine)
+        placement = session.branches.place(request, harness_request)
         assembler = TurnAssembler()
         outcome = "aborted"
         started = False  # once a chunk is out, errors can only be told in the stream itself
@@ -135,6 +216,7 @@ class CallService:
             finally:
                 await deltas.aclose()
             turn = assembler.turn()
+            ctx.continuation = _rendered_continuation(placement, session)
             await self._record_turn(ctx, request, turn)
             outcome = "recorded"
         except Exception as exc:
@@ -152,6 +234,7 @@ class CallService:
                 # its own, since this one may not await anything any more.
                 error = ClientDisconnected("the client closed the stream before it ended")
                 self._detach(self.record_failure(ctx, request, error, assembler.turn()))
+        _remember(session, placement, request, ctx.sequence, turn)
         self.metrics.event("ok")
         for chunk in renderer.stream_finish(turn):
             yield chunk
@@ -166,6 +249,38 @@ class CallService:
         turn = await self.whole(ctx, session, request)
         for chunk in renderer.stream_whole(turn):
             yield chunk
+
+
+def _parent(placement: Placement) -> int | None:
+    branch = placement.branch
+    if branch is None:
+        return None
+    return branch.last_parent if placement.kind == "retry" else branch.last_sequence
+
+
+def _rendered_continuation(placement: Placement, session: LiveSession) -> Continuation:
+    """The event's continuation block for a prompt the chat endpoint rendered whole."""
+    branch = placement.branch
+    return Continuation(mode="rendered", branch=branch.branch_id if branch else session.branches.next_id,
+                        role=branch.role if branch else placement.role, parent_sequence=_parent(placement),
+                        opened=placement.opened,
+                        retry_of_sequence=branch.last_sequence if placement.kind == "retry" and branch else None)
+
+
+def _remember(session: LiveSession, placement: Placement, request: NormalizedRequest, sequence: int,
+              turn: EngineTurn) -> None:
+    """The recorded turn becomes its branch's new end (a new branch for an ``open`` placement)."""
+    store = session.branches
+    branch = placement.branch if placement.kind != "open" else None
+    if branch is None:
+        branch = store.open(placement, request, sequence)
+        branch.last_parent = None
+    elif placement.kind == "continue":
+        branch.last_parent = branch.last_sequence
+    served = ChatMessage(role="assistant", content=turn.content, reasoning=turn.reasoning,
+                         tool_calls=turn.tool_calls)
+    store.record(branch, request, sequence, turn.prompt_token_ids, turn.token_ids, served, turn.finish_reason,
+                 retry=placement.kind == "retry")
 
 
 def _check_turn(turn: EngineTurn) -> None:

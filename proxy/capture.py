@@ -21,6 +21,7 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from proxy.engine import EngineTurn
 from proxy.errors import CaptureFailed, ProxyError, UnrecordableEvent
@@ -28,6 +29,7 @@ from schemas.completions import (
     AssistantMessage,
     CallTimings,
     Completion,
+    Continuation,
     NormalizedRequest,
     ProviderApi,
     Usage,
@@ -62,6 +64,8 @@ class CallContext:
     received_at: datetime = field(default_factory=utcnow)
     upstream_started_at: datetime | None = None
     first_token_at: datetime | None = None
+    continuation: Continuation | None = None
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 EMPTY_REQUEST = NormalizedRequest(messages=[])
@@ -97,6 +101,7 @@ def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineT
         api=ctx.api, requested_model=ctx.requested_model, served_model=ctx.served_model,
         policy_version=ctx.policy_version, request=request, request_digest=ctx.digest, request_body=ctx.body,
         retry_of=ctx.retry_of, retry_count=ctx.retry_count, timings=timings,
+        continuation=ctx.continuation, weight_versions=ctx.weight_versions,
     )
     if error is not None:
         partial = turn is not None and bool(turn.token_ids)

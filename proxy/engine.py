@@ -110,7 +110,7 @@ class TurnAssembler:
                           "".join(self._reasoning) or None, calls, self.finish_reason, usage)
 
 
-def _engine_message(message: ChatMessage) -> dict[str, Any]:
+def engine_message(message: ChatMessage) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role}
     if isinstance(message.content, list):
@@ -168,7 +168,7 @@ def engine_body(request: NormalizedRequest, model: str, *, stream: bool) -> dict
     sampling = request.sampling
     body: dict[str, Any] = {
         "model": model,
-        "messages": [_engine_message(m) for m in request.messages],
+        "messages": [engine_message(m) for m in request.messages],
         "stream": stream,
         "return_token_ids": True,
         "logprobs": True,
@@ -252,7 +252,7 @@ def parse_response(body: dict[str, Any]) -> EngineTurn:
     )
 
 
-def _error_from_response(status: int, text: str) -> ProxyError:
+def error_from_response(status: int, text: str) -> ProxyError:
     try:
         detail = json.loads(text)
     except ValueError:
@@ -295,6 +295,11 @@ class VllmEngine:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client to the engine (shared with :class:`proxy.token_api.TokenApi`)."""
+        return self._client
+
     async def served_model(self) -> str:
         """The model name sent upstream: configured, or the first one the engine lists. The first call
         also learns the engine's context length from ``/v1/models`` (vLLM reports ``max_model_len``)."""
@@ -309,7 +314,7 @@ class VllmEngine:
             except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
                 if self._served_model is None:
                     if isinstance(exc, httpx.HTTPError):
-                        raise _translate(exc) from exc
+                        raise translate_http_error(exc) from exc
                     raise EngineFailed(f"engine at {self.url} lists no models") from exc
         assert self._served_model is not None
         return self._served_model
@@ -324,9 +329,9 @@ class VllmEngine:
         try:
             response = await self._client.post("/tokenize", content=orjson.dumps(body), headers=_JSON)
         except httpx.HTTPError as exc:
-            raise _translate(exc) from exc
+            raise translate_http_error(exc) from exc
         if response.status_code != 200:
-            raise _error_from_response(response.status_code, response.text)
+            raise error_from_response(response.status_code, response.text)
         try:
             return int(orjson.loads(response.content)["count"])
         except (ValueError, KeyError, TypeError) as exc:
@@ -337,9 +342,9 @@ class VllmEngine:
             response = await self._client.post("/v1/chat/completions", content=orjson.dumps(body),
                                                headers=_JSON)
         except httpx.HTTPError as exc:
-            raise _translate(exc) from exc
+            raise translate_http_error(exc) from exc
         if response.status_code != 200:
-            raise _error_from_response(response.status_code, response.text)
+            raise error_from_response(response.status_code, response.text)
         try:
             document = orjson.loads(response.content)
         except ValueError as exc:
@@ -352,7 +357,7 @@ class VllmEngine:
             async with self._client.stream("POST", "/v1/chat/completions", content=orjson.dumps(body),
                                            headers=_JSON) as response:
                 if response.status_code != 200:
-                    raise _error_from_response(response.status_code, (await response.aread()).decode(errors="replace"))
+                    raise error_from_response(response.status_code, (await response.aread()).decode(errors="replace"))
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -370,7 +375,7 @@ class VllmEngine:
                         raise EngineFailed(f"engine failed mid-stream: {_error_text(chunk['error'])}")
                     yield _parsed(parse_chunk, chunk)
         except httpx.HTTPError as exc:
-            raise _translate(exc) from exc
+            raise translate_http_error(exc) from exc
 
 
 def _error_text(error: Any) -> str:
@@ -391,11 +396,11 @@ def _parsed(parse: Callable[[dict[str, Any]], ParsedT], document: dict[str, Any]
         raise EngineFailed(f"engine reply has an unexpected shape ({exc!r}): {str(document)[:200]}") from exc
 
 
-def _translate(exc: httpx.HTTPError) -> ProxyError:
+def translate_http_error(exc: httpx.HTTPError) -> ProxyError:
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
         return EngineUnavailable(f"the engine cannot be reached: {exc!r}")
     if isinstance(exc, httpx.TimeoutException):
         return EngineTimeout(f"the engine did not answer in time: {exc!r}")
     if isinstance(exc, httpx.HTTPStatusError):
-        return _error_from_response(exc.response.status_code, exc.response.text)
+        return error_from_response(exc.response.status_code, exc.response.text)
     return EngineFailed(f"the engine connection failed: {exc!r}")

@@ -17,6 +17,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from proxy.branches import BranchStore
 from proxy.errors import UnknownSession
 from schemas.envelope import Event
 from schemas.sessions import SessionEnded, SessionSpec
@@ -37,6 +38,7 @@ class LiveSession:
     ended: bool = False
     next_sequence: int = 0
     recent: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    branches: BranchStore = field(default_factory=BranchStore)
 
     @property
     def session_id(self) -> str:

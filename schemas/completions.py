@@ -120,6 +120,48 @@ class CallError(Model):
     http_status: int | None = None
 
 
+DriftKind = Literal["template", "retokenized_text", "reasoning_stripped", "tool_arguments_reserialized", "other"]
+BranchRole = Literal["main", "sub_agent", "side"]
+
+
+class Drift(Model):
+    """How a full re-render of the call's history differs from the exact prompt it was sent as.
+
+    Kinds: ``reasoning_stripped`` (a continued assistant turn's reasoning is missing from the re-render:
+    the harness did not send it back, or the template drops it); ``tool_arguments_reserialized`` (the
+    arguments the harness sent back are not the text the model sampled, e.g. ``{"a":1}`` → ``{"a": 1}``);
+    ``retokenized_text`` (the same text, other token ids: BPE re-segmentation of sampled text);
+    ``template`` (the difference lies outside the sampled spans: template glue, special tokens);
+    ``other``."""
+
+    differs: bool
+    kinds: list[DriftKind] = Field(default_factory=list)
+    first_divergence: int | None = Field(default=None, description="First token index where they differ.")
+    rendered_prompt_tokens: int = Field(ge=0, description="Length of the full re-render.")
+
+
+class Continuation(Model):
+    """How the proxy built this call's prompt, and which branch of the session it belongs to."""
+
+    mode: Literal["exact", "rendered"] = Field(description=(
+        "'exact': the parent's prompt + sampled ids + the new messages' tokens; 'rendered': the chat "
+        "template over the whole history (a new branch, or a session in rendered mode)."))
+    branch: str = Field(description="Branch id within the session (b0, b1, ...).")
+    role: BranchRole = "main"
+    parent_sequence: int | None = Field(default=None, description="The call whose tokens this prompt extends.")
+    prefix_tokens: int = Field(default=0, ge=0, description="Tokens taken unchanged from the parent.")
+    new_tokens: int = Field(default=0, ge=0, description="Tokens rendered for the new messages + generation prompt.")
+    closed_cut_turn: bool = Field(default=False, description=(
+        "The parent's turn was cut by the token limit; its close token was added (never sampled)."))
+    opened: str | None = Field(default=None, description=(
+        "Why this call opened a new branch instead of continuing one (first_call, history_differs, "
+        "tools_differ, assistant_in_new_messages, fork, ...), or why an exact continuation fell back to a "
+        "full render (engine_has_no_token_api, render_not_prefix, ...)."))
+    retry_of_sequence: int | None = Field(default=None, description=(
+        "This call re-asks the parent's successor turn: that call's sample was abandoned."))
+    drift: Drift | None = None
+
+
 class Completion(Event):
     """One model call: who made it, what was asked, and the engine's exact tokens and logprobs."""
 
@@ -153,6 +195,11 @@ class Completion(Event):
     message: AssistantMessage | None = None
     usage: Usage = Field(default_factory=Usage)
     timings: CallTimings | None = None
+    continuation: Continuation | None = Field(default=None, description=(
+        "How the prompt was built (exact continuation or full render), its branch and the measured drift; "
+        "None for calls recorded before the proxy built prompts itself, and for refused calls."))
+    weight_versions: list[dict[str, Any]] | None = Field(default=None, description=(
+        "The engine's weight version spans over the sampled tokens, when the engine reports them."))
 
     @model_validator(mode="after")
     def _consistent(self) -> Completion:

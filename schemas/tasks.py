@@ -66,6 +66,12 @@ class EngineParams(Model):
         "Per-turn engine fields, merged over `extra`: entry N applies to a call whose prompt already holds "
         "N assistant turns (the last entry to every later one). Scripts a session's outputs, e.g. a forced "
         "tool call on the first turn and a forced answer on the second, through structured outputs."))
+    continuation: Literal["exact", "rendered"] = Field(default="exact", description=(
+        "How the proxy builds each prompt. 'exact': a call that continues one of the session's branches is "
+        "sent to the engine as that branch's exact tokens (prompt + sampled) + the tokens of only the new "
+        "messages + the generation prompt, so the trained row is what the engine conditioned on; "
+        "'rendered': every prompt is the chat template's rendering of the whole history (the harness's "
+        "echo of sampled text re-tokenized)."))
 
 
 class EvaluatorSpec(Model):

@@ -1,0 +1,189 @@
+"""A session's branches: the exact token sequences the engine saw and sampled, and the history they stand for.
+
+Each branch holds the tokens of its last call (prompt + sampled ids) and the message history those tokens
+stand for (that call's messages + the assistant turn the proxy returned). :meth:`BranchStore.place`
+decides where a new call goes:
+
+- **continue**: its messages extend a branch's history (by :mod:`proxy.equivalence`) with only
+  non-assistant messages (tool results, a user message): the prompt will be the branch's tokens + the
+  tokens of the new messages;
+- **retry**: its messages are the branch's last call's messages again (an SDK retry, a harness that asks
+  again): the prompt is that call's prompt again, and the abandoned sample is named on the event;
+- **open**: anything else opens a new branch, rendered whole. A call that shares only part of a branch
+  (it rewinds to an earlier turn: a fork) opens a new branch too, so two branches never share a sampled
+  token.
+
+Roles (decided when a branch opens, from the call's own signals): ``side`` for a call that asks for
+structured output, or offers no tools while the session's main branch does (titles, summaries, router
+and memory calls); ``sub_agent`` for a call with tools whose system prompt differs from the main branch's;
+``main`` otherwise (the first branch, compactions of the main line).
+
+The store is per session and per proxy instance (a session's calls go to one instance, as its call
+numbers do) and bounded: at most :data:`MAX_BRANCHES` branches, the least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from proxy.equivalence import common_prefix, content_text, same_message, tools_signature
+from schemas.completions import BranchRole, ChatMessage, NormalizedRequest
+
+MAX_BRANCHES = 64
+
+# Engine extras a harness uses to ask for structured output (a side call's signal).
+_STRUCTURED_KEYS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar")
+
+
+@dataclass
+class SampledSpan:
+    """One assistant turn's sampled ids within a branch's tokens: ``tokens[start:end]``."""
+
+    start: int
+    end: int
+    sequence: int
+    text: str | None = None  # detokenized lazily, when drift is measured
+
+
+@dataclass
+class Branch:
+    """One chain of calls whose prompts extend each other token for token."""
+
+    branch_id: str
+    role: BranchRole
+    tools: bytes
+    system_text: str | None
+    history: list[ChatMessage]
+    tokens: list[int]
+    last_sequence: int
+    last_request: list[ChatMessage]
+    last_prompt: list[int]
+    finish_reason: str | None
+    last_parent: int | None = None
+    spans: list[SampledSpan] = field(default_factory=list)
+    served: list[ChatMessage] = field(default_factory=list)  # assistant turns as served, in order
+
+
+@dataclass
+class Placement:
+    """Where a call goes: which branch, and how its prompt is built."""
+
+    kind: Literal["continue", "retry", "open"]
+    branch: Branch | None
+    new_messages: list[ChatMessage]
+    opened: str | None = None
+    role: BranchRole = "main"
+
+
+def _system_text(request: NormalizedRequest) -> str | None:
+    first = request.messages[0] if request.messages else None
+    if first is None or first.role not in ("system", "developer"):
+        return None
+    return content_text(first)
+
+
+def _structured(request: NormalizedRequest) -> bool:
+    return any(key in request.sampling.extra for key in _STRUCTURED_KEYS)
+
+
+class BranchStore:
+    """The branches of one session."""
+
+    def __init__(self) -> None:
+        self._branches: OrderedDict[str, Branch] = OrderedDict()
+        self._opened = 0
+
+    def __len__(self) -> int:
+        return len(self._branches)
+
+    @property
+    def next_id(self) -> str:
+        """The id the next branch opened will get."""
+        return f"b{self._opened}"
+
+    @property
+    def main(self) -> Branch | None:
+        return next((b for b in self._branches.values() if b.role == "main"), None)
+
+    def place(self, request: NormalizedRequest, harness_request: NormalizedRequest | None = None) -> Placement:
+        """Decide where ``request`` goes (``harness_request``: as the harness sent it, before the session's
+        overrides, for the role signals)."""
+        signature = tools_signature(request.tools)
+        messages = request.messages
+        best: Placement | None = None
+        reason = "first_call" if not self._branches else "history_differs"
+        for branch in reversed(self._branches.values()):  # most recently used first
+            if branch.tools != signature:
+                if common_prefix(branch.history, messages) == len(branch.history):
+                    reason = "tools_differ"
+                continue
+            if len(messages) == len(branch.last_request) and \
+                    all(same_message(a, b) for a, b in zip(branch.last_request, messages)):
+                best = Placement("retry", branch, [])
+                break
+            shared = common_prefix(branch.history, messages)
+            if shared == len(branch.history) and len(messages) > shared:
+                tail = messages[shared:]
+                if any(m.role == "assistant" for m in tail):
+                    reason = "assistant_in_new_messages"
+                    continue
+                best = Placement("continue", branch, list(tail))
+                break
+            if shared > 0 and reason == "history_differs":
+                reason = "fork" if shared > _first_turn(branch.history) else "history_differs"
+        if best is not None:
+            return best
+        return Placement("open", None, list(messages), opened=reason,
+                         role=self._role_for(request, harness_request or request))
+
+    def _role_for(self, request: NormalizedRequest, harness_request: NormalizedRequest) -> BranchRole:
+        main = self.main
+        if _structured(harness_request):
+            return "side"
+        if main is None:
+            return "main"
+        if not request.tools and main.tools != tools_signature([]):
+            return "side"
+        if request.tools and _system_text(request) != main.system_text:
+            return "sub_agent"
+        return "main"
+
+    def open(self, placement: Placement, request: NormalizedRequest, sequence: int) -> Branch:
+        """A new branch for a call placed ``open`` (its tokens are filled in by :meth:`record`)."""
+        branch = Branch(branch_id=f"b{self._opened}", role=placement.role, tools=tools_signature(request.tools),
+                        system_text=_system_text(request), history=list(request.messages), tokens=[],
+                        last_sequence=sequence, last_request=list(request.messages), last_prompt=[],
+                        finish_reason=None)
+        self._opened += 1
+        self._branches[branch.branch_id] = branch
+        while len(self._branches) > MAX_BRANCHES:
+            self._branches.popitem(last=False)
+        return branch
+
+    def record(self, branch: Branch, request: NormalizedRequest, sequence: int, prompt: list[int],
+               sampled: list[int], served: ChatMessage, finish_reason: str | None, *, retry: bool) -> None:
+        """The call's turn is done: the branch now stands for its messages + the served assistant turn."""
+        if retry and branch.spans and branch.spans[-1].sequence == branch.last_sequence:
+            branch.spans.pop()
+            branch.served.pop()
+        branch.history = [*request.messages, served]
+        branch.last_request = list(request.messages)
+        branch.last_prompt = list(prompt)
+        branch.tokens = [*prompt, *sampled]
+        branch.spans = [s for s in branch.spans if s.end <= len(prompt)]
+        branch.spans.append(SampledSpan(len(prompt), len(prompt) + len(sampled), sequence))
+        branch.served.append(served)
+        branch.last_sequence = sequence
+        branch.finish_reason = finish_reason
+        self._branches.move_to_end(branch.branch_id)
+
+
+def _first_turn(history: list[ChatMessage]) -> int:
+    """Index just past the first assistant turn (a history sharing less than that shares no sample)."""
+    for i, message in enumerate(history):
+        if message.role == "assistant":
+            return i + 1
+    return len(history) + 1

@@ -1,0 +1,217 @@
+"""The engine's token-in/token-out endpoints: render, generate, derender, detokenize (vLLM ``--enable-scale-out``).
+
+vLLM 0.32 serves, besides its OpenAI routes:
+
+- ``POST /v1/chat/completions/render``: an ordinary chat request → the prompt ids the chat template gives
+  and vLLM's own sampling parameters for it (a ``GenerateRequest``);
+- ``POST /inference/v1/generate``: that object, with any ``token_ids`` → the sampled ids, their logprobs
+  (one per id), the finish and stop reasons and the weight version spans; streamed as SSE when asked;
+- ``POST /v1/chat/completions/derender``: a generate reply + the chat request → a chat completion parsed
+  by the server's own reasoning and tool-call parsers;
+- ``POST /detokenize``: ids → text.
+
+So the prompt can be any token sequence the proxy builds, and the reply is still parsed by vLLM. Without
+``--enable-scale-out`` the first three answer 403 (404 on older servers): :class:`TokenApi` then reports
+itself unavailable once, and the proxy renders prompts through the chat endpoint as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from proxy.engine import EngineTurn, error_from_response, parse_response, translate_http_error
+from proxy.errors import EngineFailed
+from schemas.completions import Usage
+
+logger = logging.getLogger(__name__)
+
+_JSON = {"content-type": "application/json"}
+_MISSING_STATUSES = (403, 404, 405, 501)
+
+
+class TokenApiMissing(Exception):
+    """The engine does not serve the token-in/token-out endpoints."""
+
+
+@dataclass(slots=True)
+class Generation:
+    """What ``/inference/v1/generate`` sampled for one prompt."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    weight_versions: list[dict[str, Any]] | None = None
+    usage: Usage | None = None
+    raw: dict[str, Any] | None = None
+
+    def response(self, model: str) -> dict[str, Any]:
+        """The generate reply in the shape derender takes (tokens output mode)."""
+        content = [{"token_id": t, "logprob": lp if lp is not None else 0.0} for t, lp in
+                   zip(self.token_ids, self.logprobs or [None] * len(self.token_ids))]
+        return {"model": model, "output_mode": "tokens", "choices": [{
+            "index": 0, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
+            "token_ids": self.token_ids, "logprobs": {"content": content} if self.logprobs else None}]}
+
+
+def _logprobs(choice: dict[str, Any]) -> list[float | None]:
+    block = choice.get("logprobs") or {}
+    return [entry.get("logprob") for entry in block.get("content") or ()]
+
+
+def _usage(raw: Any) -> Usage | None:
+    if not isinstance(raw, dict):
+        return None
+    return Usage(prompt_tokens=raw.get("prompt_tokens") or 0, completion_tokens=raw.get("completion_tokens") or 0)
+
+
+class TokenApi:
+    """Client for the token endpoints of one vLLM server (shares the engine's HTTP client)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+        self.available: bool | None = None  # None until the first call tells
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self._client.post(path, content=orjson.dumps(body), headers=_JSON)
+        except httpx.HTTPError as exc:
+            raise translate_http_error(exc) from exc
+        if response.status_code in _MISSING_STATUSES and path not in ("/detokenize", "/tokenize"):
+            if self.available is not True:
+                self.available = False
+                logger.warning("the engine does not serve %s (HTTP %d): prompts are rendered by its chat "
+                               "endpoint instead; start vLLM with --enable-scale-out for exact-token "
+                               "continuation", path, response.status_code)
+                raise TokenApiMissing(path)
+        if response.status_code != 200:
+            raise error_from_response(response.status_code, response.text)
+        try:
+            document = orjson.loads(response.content)
+        except orjson.JSONDecodeError as exc:
+            raise EngineFailed(f"engine {path} reply is not JSON: {response.text[:200]}") from exc
+        if not isinstance(document, dict):
+            raise EngineFailed(f"engine {path} reply is not an object: {response.text[:200]}")
+        self.available = True
+        return document
+
+    async def probe(self, model: str) -> bool:
+        """Whether the engine serves the token endpoints (asked once, with a one-word render)."""
+        if self.available is None:
+            try:
+                await self.render({"model": model, "messages": [{"role": "user", "content": "d"}]})
+            except TokenApiMissing:
+                pass
+        return bool(self.available)
+
+    async def render(self, chat_body: dict[str, Any]) -> dict[str, Any]:
+        """The generate request vLLM makes of a chat request: ``token_ids`` and ``sampling_params``."""
+        rendered = await self._post("/v1/chat/completions/render", {**chat_body, "stream": False})
+        ids = rendered.get("token_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise EngineFailed("engine render reply has no token_ids")
+        return rendered
+
+    async def render_ids(self, chat_body: dict[str, Any]) -> list[int]:
+        return list((await self.render(chat_body))["token_ids"])
+
+    @staticmethod
+    def generate_body(rendered: dict[str, Any], token_ids: list[int], max_tokens: int | None,
+                      stream: bool) -> dict[str, Any]:
+        sampling = dict(rendered.get("sampling_params") or {})
+        if max_tokens is not None:
+            sampling["max_tokens"] = max_tokens
+        body = {key: value for key, value in rendered.items() if value is not None and key not in (
+            "token_offsets", "features", "content_parts", "request_id")}
+        body.update(token_ids=token_ids, sampling_params=sampling, stream=stream, output_mode="tokens")
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def generate(self, body: dict[str, Any]) -> Generation:
+        document = await self._post("/inference/v1/generate", body)
+        try:
+            choice = document["choices"][0]
+            return Generation(token_ids=list(choice.get("token_ids") or ()), logprobs=_logprobs(choice),
+                              finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"),
+                              weight_versions=choice.get("weight_versions"), usage=_usage(document.get("usage")),
+                              raw=document)
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise EngineFailed(f"engine generate reply has an unexpected shape: {str(document)[:200]}") from exc
+
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[Generation]:
+        """The sampled ids as they come: one :class:`Generation` delta per SSE chunk."""
+        try:
+            async with self._client.stream("POST", "/inference/v1/generate", content=orjson.dumps(body),
+                                           headers=_JSON) as response:
+                if response.status_code != 200:
+                    raise error_from_response(response.status_code,
+                                               (await response.aread()).decode(errors="replace"))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        continue
+                    try:
+                        chunk = orjson.loads(payload)
+                    except orjson.JSONDecodeError as exc:
+                        raise EngineFailed(f"engine sent a chunk that is not JSON: {payload[:200]}") from exc
+                    if not isinstance(chunk, dict):
+                        raise EngineFailed(f"engine sent a chunk that is not an object: {payload[:200]}")
+                    if "error" in chunk and "choices" not in chunk:
+                        error = chunk["error"]
+                        message = error.get("message") if isinstance(error, dict) else error
+                        raise EngineFailed(f"engine failed mid-stream: {str(message)[:2000]}")
+                    delta = Generation(usage=_usage(chunk.get("usage")))
+                    for choice in chunk.get("choices") or ():
+                        if not isinstance(choice, dict):
+                            raise EngineFailed(f"engine sent a malformed chunk: {payload[:200]}")
+                        delta.token_ids = list(choice.get("token_ids") or ())
+                        delta.logprobs = _logprobs(choice)
+                        delta.finish_reason = choice.get("finish_reason")
+                        delta.stop_reason = choice.get("stop_reason")
+                        delta.weight_versions = choice.get("weight_versions")
+                    yield delta
+        except httpx.HTTPError as exc:
+            raise translate_http_error(exc) from exc
+
+    async def derender(self, generation: Generation, chat_body: dict[str, Any], prompt: list[int],
+                       model: str) -> EngineTurn:
+        """The reply parsed by the engine's own reasoning and tool-call parsers, with the exact ids."""
+        document = await self._post("/v1/chat/completions/derender", {
+            "model": model, "generate_response": generation.response(model),
+            "chat_request": {**chat_body, "stream": False}, "prompt_tokens": len(prompt),
+            "prompt_token_ids": prompt[-16:]})
+        try:
+            parsed = parse_response(document)
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise EngineFailed(f"engine derender reply has an unexpected shape: {str(document)[:200]}") from exc
+        finish = generation.finish_reason
+        if finish == "stop" and parsed.tool_calls:
+            finish = "tool_calls"  # as the chat endpoint says it (derender itself may say "stop")
+        usage = generation.usage or Usage(prompt_tokens=len(prompt), completion_tokens=len(generation.token_ids))
+        return EngineTurn(prompt_token_ids=prompt, token_ids=generation.token_ids, logprobs=generation.logprobs,
+                          content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
+                          finish_reason=finish, usage=usage, response_id=parsed.response_id)
+
+    async def tokenize(self, text: str, model: str) -> list[int]:
+        """The ids of plain ``text`` (no special tokens added)."""
+        document = await self._post("/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})
+        ids = document.get("tokens")
+        if not isinstance(ids, list):
+            raise EngineFailed("engine tokenize reply has no tokens")
+        return ids
+
+    async def detokenize(self, token_ids: list[int], model: str) -> str:
+        document = await self._post("/detokenize", {"model": model, "tokens": token_ids})
+        text = document.get("prompt")
+        if not isinstance(text, str):
+            raise EngineFailed("engine detokenize reply has no prompt text")
+        return text
