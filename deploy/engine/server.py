@@ -26,6 +26,9 @@ Decisions, with the flags that carry them:
   hit at once.
 - ``--enable-auto-tool-choice --tool-call-parser hermes``: ``<tool_call>{json}</tool_call>`` text comes
   back as OpenAI ``tool_calls``.
+- ``--enable-scale-out``: the token-in/token-out endpoints (``/v1/chat/completions/render``,
+  ``/inference/v1/generate``, ``/v1/chat/completions/derender``) the proxy's exact-token continuation
+  uses (``proxy/token_api.py``); a GPU server for rollwire needs the same flag.
 - ``HF_HUB_OFFLINE=1``: nothing is ever fetched from a model hub.
 - ``--logits-processors rollwire_forced_tokens:ForcedTokensLogitsProcessor`` (``deploy/engine/plugins`` on
   the server's ``PYTHONPATH``): a request with ``vllm_xargs: {"rollwire_forced_tokens": [ids]}`` samples
@@ -160,6 +163,7 @@ def server_command(python: Path, config: EngineConfig, model_dir: Path) -> list[
         "--seed", str(config.seed),
         "--disable-uvicorn-access-log",
         "--logits-processors", FORCED_TOKENS_PROCESSOR,
+        "--enable-scale-out",
         *config.extra_args,
     ]
 
