@@ -9,7 +9,9 @@ decides where a new call goes:
   tokens of the new messages;
 - **retry**: its messages are the branch's last call's messages again (an SDK retry, a harness that asks
   again): the prompt is that call's prompt again, and the abandoned sample is named on the event;
-- **open**: anything else opens a new branch, rendered whole. A call that shares only part of a branch
+- **open**: anything else opens a new branch, rendered whole. A call that asks for structured output
+  (a router, a title, a memory extraction) only ever extends a branch of such calls: it never continues
+  or retries the agent's own line, even when it sends the same history. A call that shares only part of a branch
   (it rewinds to an earlier turn: a fork) opens a new branch too, so two branches never share a sampled
   token.
 
@@ -62,6 +64,8 @@ class Branch:
     last_request: list[ChatMessage]
     last_prompt: list[int]
     finish_reason: str | None
+    structured: bool = False  # its calls ask for structured output (side calls)
+    closed: bool = False  # the last turn ended with a sampled end-of-turn token
     last_parent: int | None = None
     spans: list[SampledSpan] = field(default_factory=list)
     served: list[ChatMessage] = field(default_factory=list)  # assistant turns as served, in order
@@ -113,9 +117,12 @@ class BranchStore:
         overrides, for the role signals)."""
         signature = tools_signature(request.tools)
         messages = request.messages
+        structured = _structured(harness_request or request)
         best: Placement | None = None
         reason = "first_call" if not self._branches else "history_differs"
         for branch in reversed(self._branches.values()):  # most recently used first
+            if branch.structured != structured:
+                continue  # a structured side call (a router, a title) never extends the agent's line
             if branch.tools != signature:
                 if common_prefix(branch.history, messages) == len(branch.history):
                     reason = "tools_differ"
@@ -133,7 +140,7 @@ class BranchStore:
                 best = Placement("continue", branch, list(tail))
                 break
             if shared > 0 and reason == "history_differs":
-                reason = "fork" if shared > _first_turn(branch.history) else "history_differs"
+                reason = "fork" if shared >= _first_turn(branch.history) else "history_differs"
         if best is not None:
             return best
         return Placement("open", None, list(messages), opened=reason,
@@ -151,12 +158,13 @@ class BranchStore:
             return "sub_agent"
         return "main"
 
-    def open(self, placement: Placement, request: NormalizedRequest, sequence: int) -> Branch:
+    def open(self, placement: Placement, request: NormalizedRequest, sequence: int,
+             harness_request: NormalizedRequest | None = None) -> Branch:
         """A new branch for a call placed ``open`` (its tokens are filled in by :meth:`record`)."""
         branch = Branch(branch_id=f"b{self._opened}", role=placement.role, tools=tools_signature(request.tools),
                         system_text=_system_text(request), history=list(request.messages), tokens=[],
                         last_sequence=sequence, last_request=list(request.messages), last_prompt=[],
-                        finish_reason=None)
+                        finish_reason=None, structured=_structured(harness_request or request))
         self._opened += 1
         self._branches[branch.branch_id] = branch
         while len(self._branches) > MAX_BRANCHES:
@@ -164,7 +172,8 @@ class BranchStore:
         return branch
 
     def record(self, branch: Branch, request: NormalizedRequest, sequence: int, prompt: list[int],
-               sampled: list[int], served: ChatMessage, finish_reason: str | None, *, retry: bool) -> None:
+               sampled: list[int], served: ChatMessage, finish_reason: str | None, *, closed: bool,
+               retry: bool) -> None:
         """The call's turn is done: the branch now stands for its messages + the served assistant turn."""
         if retry and branch.spans and branch.spans[-1].sequence == branch.last_sequence:
             branch.spans.pop()
@@ -178,6 +187,7 @@ class BranchStore:
         branch.served.append(served)
         branch.last_sequence = sequence
         branch.finish_reason = finish_reason
+        branch.closed = closed and bool(sampled)
         self._branches.move_to_end(branch.branch_id)
 
 

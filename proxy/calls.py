@@ -120,7 +120,7 @@ class CallService:
             error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
             await self.record_failure(ctx, request, error, turn)
             raise error from exc
-        _remember(session, placement, request, ctx.sequence, turn)
+        _remember(session, placement, request, ctx.sequence, turn, harness_request)
         self.metrics.event("ok")
         return turn
 
@@ -234,7 +234,7 @@ class CallService:
                 # its own, since this one may not await anything any more.
                 error = ClientDisconnected("the client closed the stream before it ended")
                 self._detach(self.record_failure(ctx, request, error, assembler.turn()))
-        _remember(session, placement, request, ctx.sequence, turn)
+        _remember(session, placement, request, ctx.sequence, turn, harness_request)
         self.metrics.event("ok")
         for chunk in renderer.stream_finish(turn):
             yield chunk
@@ -268,19 +268,19 @@ def _rendered_continuation(placement: Placement, session: LiveSession) -> Contin
 
 
 def _remember(session: LiveSession, placement: Placement, request: NormalizedRequest, sequence: int,
-              turn: EngineTurn) -> None:
+              turn: EngineTurn, harness_request: NormalizedRequest) -> None:
     """The recorded turn becomes its branch's new end (a new branch for an ``open`` placement)."""
     store = session.branches
     branch = placement.branch if placement.kind != "open" else None
     if branch is None:
-        branch = store.open(placement, request, sequence)
+        branch = store.open(placement, request, sequence, harness_request)
         branch.last_parent = None
     elif placement.kind == "continue":
         branch.last_parent = branch.last_sequence
     served = ChatMessage(role="assistant", content=turn.content, reasoning=turn.reasoning,
                          tool_calls=turn.tool_calls)
     store.record(branch, request, sequence, turn.prompt_token_ids, turn.token_ids, served, turn.finish_reason,
-                 retry=placement.kind == "retry")
+                 closed=turn.ended_by_eos, retry=placement.kind == "retry")
 
 
 def _check_turn(turn: EngineTurn) -> None:

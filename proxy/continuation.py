@@ -12,9 +12,10 @@ A call placed ``continue`` (:mod:`proxy.branches`) is sent to the engine as
   for these messages, and the call falls back to a full render (``opened: render_not_prefix``).
 - **close** and **glue** (:class:`TurnFrame`): the token that ends an assistant turn and what the
   template writes after it (ChatML: ``<|im_end|>`` and ``\\n``). Learned once per template settings by
-  rendering a one-word assistant turn. A turn that stopped on the close token already ends with it; a
-  turn cut by the token limit (or stopped by a stop string) gets the close token added, and the event
-  says so (``closed_cut_turn``): the trainer must not train on it (it was never sampled).
+  rendering a one-word assistant turn. A turn that ended on a sampled end-of-sequence token (the close,
+  or another stop id such as ``<|endoftext|>`` after a structured output) is closed by it, and only the
+  glue follows; a turn cut by the token limit (or stopped by a stop string) gets the close token added,
+  and the event says so (``closed_cut_turn``): the trainer must not train on it (it was never sampled).
 
 Drift (:meth:`Continuations.drift`): the full re-render of the same history is compared with the exact
 prompt; when they differ the kinds are told apart by text (:class:`schemas.completions.Drift`).
@@ -30,7 +31,7 @@ import orjson
 
 from proxy.branches import Branch, Placement
 from proxy.engine import engine_message
-from proxy.equivalence import content_text
+from proxy.equivalence import content_text, split_reasoning
 from proxy.token_api import TokenApi
 from schemas.completions import ChatMessage, Drift, DriftKind, NormalizedRequest
 
@@ -127,8 +128,9 @@ class Continuations:
         close_at = _find_last(shorter, list(frame.close))
         glue = shorter[close_at + len(frame.close):] if close_at >= 0 else list(frame.glue)
         tokens = branch.tokens
-        ends_closed = branch.finish_reason in ("stop", "tool_calls") and \
-            tuple(tokens[-len(frame.close):]) == frame.close
+        # A turn that ended on a sampled end-of-turn token is closed by it (<|im_end|>, or <|endoftext|>
+        # after a structured output); a turn cut by the limit or a stop string gets the template's close.
+        ends_closed = branch.closed
         closing = [] if ends_closed else list(frame.close)
         prompt = [*tokens, *closing, *glue, *new_ids]
         return ExactPrompt(token_ids=prompt, prefix_tokens=len(tokens), new_tokens=len(prompt) - len(tokens),
@@ -164,7 +166,8 @@ class Continuations:
             if _strip_close(span.text) in rendered_text:
                 continue
             found = False
-            if served.reasoning and served.reasoning.strip() and served.reasoning.strip() not in rendered_text:
+            reasoning = served.reasoning or split_reasoning(content_text(served) or "")[0]
+            if reasoning and reasoning.strip() and reasoning.strip() not in rendered_text:
                 kinds.add("reasoning_stripped")
                 found = True
             if any(call.arguments not in span.text for call in echo.tool_calls):

@@ -45,6 +45,7 @@ class EngineDelta:
     reasoning: str | None = None
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
@@ -68,6 +69,12 @@ class EngineTurn:
     finish_reason: str | None
     usage: Usage
     response_id: str | None = None
+    stop_reason: int | str | None = None  # a stop string or id that ended the turn; None for EOS
+
+    @property
+    def ended_by_eos(self) -> bool:
+        """The model sampled its end-of-turn token (the last sampled id closes the turn)."""
+        return self.finish_reason in ("stop", "tool_calls") and self.stop_reason is None
 
 
 class TurnAssembler:
@@ -81,6 +88,7 @@ class TurnAssembler:
         self._reasoning: list[str] = []
         self._calls: dict[int, ToolCallDelta] = {}
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
         self.usage: Usage | None = None
 
     def add(self, delta: EngineDelta) -> None:
@@ -99,6 +107,7 @@ class TurnAssembler:
             call.arguments += part.arguments
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
         if delta.usage is not None:
             self.usage = delta.usage
 
@@ -107,7 +116,8 @@ class TurnAssembler:
                  for i, c in sorted(self._calls.items())]
         usage = self.usage or Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
         return EngineTurn(self.prompt_token_ids, self.token_ids, self.logprobs, "".join(self._content) or None,
-                          "".join(self._reasoning) or None, calls, self.finish_reason, usage)
+                          "".join(self._reasoning) or None, calls, self.finish_reason, usage,
+                          stop_reason=self.stop_reason)
 
 
 def engine_message(message: ChatMessage) -> dict[str, Any]:
@@ -223,6 +233,7 @@ def parse_chunk(chunk: dict[str, Any]) -> EngineDelta:
             delta.tool_calls.append(ToolCallDelta(index=call.get("index", 0), id=call.get("id"),
                                                   name=function.get("name"), arguments=function.get("arguments") or ""))
         delta.finish_reason = choice.get("finish_reason")
+        delta.stop_reason = choice.get("stop_reason")
         delta.token_ids = choice.get("token_ids") or []
         delta.logprobs = _logprob_values(choice.get("logprobs"))
     return delta
@@ -247,6 +258,7 @@ def parse_response(body: dict[str, Any]) -> EngineTurn:
         reasoning=message.get("reasoning") or message.get("reasoning_content"),
         tool_calls=calls,
         finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
         usage=_usage(body.get("usage")) or Usage(completion_tokens=len(token_ids)),
         response_id=body.get("id"),
     )

@@ -10,7 +10,9 @@ APIs), message by message:
   comparable only to an identical one (a harness that strips images from history changes the history).
 - **assistant turns** (the turns the proxy served, compared against what it returned):
   - reasoning is ignored: harnesses drop it, echo it, or echo it trimmed; the branch's tokens hold what
-    was sampled, so what the harness sends back cannot change the prompt;
+    was sampled, so what the harness sends back cannot change the prompt. Reasoning is the ``reasoning``
+    field, or a leading ``<think>…</think>`` block of the text when the engine runs without a reasoning
+    parser (:func:`split_reasoning`);
   - tool calls: the same number, in order, with the same names; arguments equal as JSON values when both
     parse (``{"a":1}`` and ``{"a": 1}`` are the same call), else equal as stripped text; call ids are
     ignored (harnesses rename them);
@@ -52,6 +54,17 @@ def content_text(message: ChatMessage) -> str | None:
     return "\n".join(texts)
 
 
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """A leading ``<think>…</think>`` block of an assistant text and the rest (None, text when none)."""
+    stripped = text.lstrip()
+    if not stripped.startswith("<think>"):
+        return None, text
+    end = stripped.find("</think>")
+    if end < 0:
+        return None, text
+    return stripped[len("<think>"):end].strip(), stripped[end + len("</think>"):]
+
+
 def _json_value(text: str) -> tuple[bool, Any]:
     try:
         return True, orjson.loads(text)
@@ -83,6 +96,7 @@ def same_message(served: ChatMessage, echoed: ChatMessage) -> bool:
         text_a, text_b = content_text(served), content_text(echoed)
         if text_a is None or text_b is None:
             return served.content == echoed.content
+        text_a, text_b = split_reasoning(text_a)[1], split_reasoning(text_b)[1]
         return text_a.strip() == text_b.strip() or (bool(served.tool_calls) and not text_b.strip())
     text_a, text_b = content_text(served), content_text(echoed)
     if text_a is None or text_b is None:

@@ -91,6 +91,7 @@ class ChatCompletionRequest(_Wire):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # not in OpenAI's spec: vLLM's
+    response_format: dict[str, Any] | None = None  # structured output: passed to the engine as is
 
     @field_validator("n")
     @classmethod
@@ -145,7 +146,10 @@ def normalize(request: ChatCompletionRequest) -> NormalizedRequest:
         sampling=SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                                 max_tokens=request.max_completion_tokens or request.max_tokens, seed=request.seed,
                                 stop=stop, presence_penalty=request.presence_penalty,
-                                frequency_penalty=request.frequency_penalty),
+                                frequency_penalty=request.frequency_penalty,
+                                extra={"response_format": request.response_format}
+                                if request.response_format and request.response_format.get("type") != "text"
+                                else {}),
         stream=request.stream,
         reasoning_effort=request.reasoning_effort,
         chat_template_kwargs=request.chat_template_kwargs or {},

@@ -52,12 +52,17 @@ class Generation:
     raw: dict[str, Any] | None = None
 
     def response(self, model: str) -> dict[str, Any]:
-        """The generate reply in the shape derender takes (tokens output mode)."""
+        """The generate reply in the shape derender takes (tokens output mode), without the end-of-sequence
+        id that stopped it: the chat endpoint never decodes that id into the reply's text either (the
+        render asks for special tokens to be kept, for the tool parser), and the parsers must not see it."""
+        ids, values = self.token_ids, self.logprobs
+        if self.finish_reason == "stop" and self.stop_reason is None and ids:
+            ids, values = ids[:-1], values[:-1]
         content = [{"token_id": t, "logprob": lp if lp is not None else 0.0} for t, lp in
-                   zip(self.token_ids, self.logprobs or [None] * len(self.token_ids))]
+                   zip(ids, values or [None] * len(ids))]
         return {"model": model, "output_mode": "tokens", "choices": [{
             "index": 0, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-            "token_ids": self.token_ids, "logprobs": {"content": content} if self.logprobs else None}]}
+            "token_ids": ids, "logprobs": {"content": content} if values else None}]}
 
 
 def _logprobs(choice: dict[str, Any]) -> list[float | None]:
@@ -199,7 +204,8 @@ class TokenApi:
         usage = generation.usage or Usage(prompt_tokens=len(prompt), completion_tokens=len(generation.token_ids))
         return EngineTurn(prompt_token_ids=prompt, token_ids=generation.token_ids, logprobs=generation.logprobs,
                           content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
-                          finish_reason=finish, usage=usage, response_id=parsed.response_id)
+                          finish_reason=finish, usage=usage, response_id=parsed.response_id,
+                          stop_reason=generation.stop_reason)
 
     async def tokenize(self, text: str, model: str) -> list[int]:
         """The ids of plain ``text`` (no special tokens added)."""

@@ -29,6 +29,13 @@ Decisions, with the flags that carry them:
 - ``--enable-scale-out``: the token-in/token-out endpoints (``/v1/chat/completions/render``,
   ``/inference/v1/generate``, ``/v1/chat/completions/derender``) the proxy's exact-token continuation
   uses (``proxy/token_api.py``); a GPU server for rollwire needs the same flag.
+- No ``--reasoning-parser``: vLLM 0.32's ``qwen3`` parser reads every reply as reasoning until a
+  ``</think>`` (its initial state when ``enable_thinking`` is on, the template's default), so a random
+  model's replies would reach harnesses with no content. ``<think>`` blocks stay in the text; the proxy's
+  equivalence treats a leading one as reasoning (``proxy/equivalence.py``).
+- ``--trust-request-chat-template``: a request may carry its own ``chat_template`` (a session's engine
+  extras): how tests and ``bench.fidelity`` run the reasoning-stripping template variant
+  (``chat_template_strip_reasoning.jinja``) on the same server. A development engine only.
 - ``HF_HUB_OFFLINE=1``: nothing is ever fetched from a model hub.
 - ``--logits-processors rollwire_forced_tokens:ForcedTokensLogitsProcessor`` (``deploy/engine/plugins`` on
   the server's ``PYTHONPATH``): a request with ``vllm_xargs: {"rollwire_forced_tokens": [ids]}`` samples
@@ -164,6 +171,7 @@ def server_command(python: Path, config: EngineConfig, model_dir: Path) -> list[
         "--disable-uvicorn-access-log",
         "--logits-processors", FORCED_TOKENS_PROCESSOR,
         "--enable-scale-out",
+        "--trust-request-chat-template",
         *config.extra_args,
     ]
 
