@@ -122,6 +122,7 @@ class CallService:
             raise error from exc
         _remember(session, placement, request, ctx.sequence, turn, harness_request)
         self.metrics.event("ok")
+        self.metrics.continuation(ctx.api, ctx.continuation)
         return turn
 
     async def _exact(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
@@ -236,6 +237,7 @@ class CallService:
                 self._detach(self.record_failure(ctx, request, error, assembler.turn()))
         _remember(session, placement, request, ctx.sequence, turn, harness_request)
         self.metrics.event("ok")
+        self.metrics.continuation(ctx.api, ctx.continuation)
         for chunk in renderer.stream_finish(turn):
             yield chunk
 

@@ -1,8 +1,11 @@
-"""Prometheus metrics for the proxy: requests, errors, latency, and completion events by status."""
+"""Prometheus metrics for the proxy: requests, errors, latency, completion events by status, and how prompts
+were built (exact continuations, new branches and why, drift a full re-render would have had)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from schemas.completions import Continuation
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -20,6 +23,12 @@ class ProxyMetrics:
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.events = Counter("rollwire_proxy_completion_events", "Completion events recorded, by status.",
                               ["status"], registry=self.registry)
+        self.continuations = Counter(
+            "rollwire_proxy_continuations", "Recorded calls by how the prompt was built: mode exact or rendered, "
+            "and for new branches why (opened).", ["api", "mode", "opened"], registry=self.registry)
+        self.drift = Counter(
+            "rollwire_proxy_drift", "Exactly continued calls by what a full re-render would have changed "
+            "(kind none: nothing).", ["api", "kind"], registry=self.registry)
         self.sessions = Gauge("rollwire_proxy_sessions", "Sessions the registry knows, by state.", ["state"],
                               registry=self.registry)
 
@@ -28,6 +37,15 @@ class ProxyMetrics:
 
     def event(self, status: str) -> None:
         self.events.labels(status=status).inc()
+
+    def continuation(self, api: str, continuation: Continuation | None) -> None:
+        if continuation is None:
+            return
+        self.continuations.labels(api=api, mode=continuation.mode, opened=continuation.opened or "").inc()
+        drift = continuation.drift
+        if drift is not None:
+            for kind in drift.kinds or (["none"] if not drift.differs else []):
+                self.drift.labels(api=api, kind=kind).inc()
 
     def render(self, session_counts: dict[str, int]) -> bytes:
         for state, count in session_counts.items():

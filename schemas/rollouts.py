@@ -71,6 +71,8 @@ class SessionStatusView(Model):
         "Model calls recorded on `completions` for this session (the trajectory's count once built)."))
     trajectory_id: str | None = Field(default=None, description="Event id of its trajectory.")
     traces: int | None = None
+    traces_by_role: dict[str, int] = Field(default_factory=dict, description=(
+        "Traces per branch role (main, sub_agent, side), as the trajectory's stats count them."))
     partial: bool | None = Field(default=None, description="The trajectory was built before the session ended.")
     evaluations: list[EvaluationView] = Field(default_factory=list)
     reward: float | None = Field(default=None, description="The task's evaluator's reward, when it ran.")

@@ -83,7 +83,7 @@ def summary_table(statuses: Sequence[TaskStatus]) -> Table:
     table = Table(title="rollout summary", title_justify="left")
     table.add_column("task", no_wrap=True)
     for name in ("sessions", "completed", "failed\npolicy", "failed\ninfra", "not\nended", "completions",
-                 "trajectories", "reward\n(mean, n)", "passed"):
+                 "trajectories", "traces per\nsession", "reward\n(mean, n)", "passed"):
         table.add_column(name, justify="right")
     for stage in TIMED_STAGES:
         table.add_column(f"{stage.replace('_', '-')}\ns (mean)", justify="right")
@@ -105,6 +105,7 @@ def summary_table(statuses: Sequence[TaskStatus]) -> Table:
             str(sum(1 for s in sessions if not s.ended)),
             str(sum(s.completions for s in sessions)),
             str(sum(1 for s in sessions if s.trajectory_id)),
+            _traces_per_session(sessions),
             (_fmt(mean(rewards)) + f" ({len(rewards)})") if rewards else ("-" if evaluator else "none"),
             f"{sum(verdicts)}/{len(verdicts)}" if verdicts else "-",
             *(_fmt(_mean_stage_time(sessions, stage), 1) for stage in TIMED_STAGES),
@@ -139,6 +140,27 @@ def _advantage(groups: Mapping[str, Group], task_id: str, session_id: str) -> st
     return f"{sample.advantage:+.3f}"
 
 
+def _traces_per_session(sessions: Sequence[SessionStatusView]) -> str:
+    """Mean agent traces (main + sub-agent branches) per built session, side branches counted apart."""
+    built = [s for s in sessions if s.trajectory_id and not s.partial]
+    if not built:
+        return "-"
+    side = sum(s.traces_by_role.get("side", 0) for s in built)
+    agent = sum((s.traces or 0) for s in built) - side
+    return _fmt(agent / len(built)) + (f" +{side} side" if side else "")
+
+
+def _traces(session: SessionStatusView) -> str:
+    """``1 trace``, or with its side branches named: ``1 trace + 1 side`` (side calls: titles, routers)."""
+    roles = session.traces_by_role
+    side = roles.get("side", 0)
+    agent = (session.traces or 0) - side
+    text = f"{agent} trace" + ("" if agent == 1 else "s")
+    if roles.get("sub_agent"):
+        text += f" ({roles['sub_agent']} sub-agent)"
+    return text + (f" + {side} side" if side else "")
+
+
 def sessions_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) -> Table:
     """One row per session: how it ended, its calls and trajectory, its reward and its GRPO advantage."""
     table = Table(title="rewards per session", title_justify="left")
@@ -148,7 +170,7 @@ def sessions_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) 
     for status in statuses:
         for s in status.sessions:
             verdict = next((e for e in s.evaluations if e.evaluator == status.evaluator), None)
-            trajectory = "-" if not s.trajectory_id else ("partial" if s.partial else f"{s.traces or 0} traces")
+            trajectory = "-" if not s.trajectory_id else ("partial" if s.partial else _traces(s))
             table.add_row(s.session_id, s.status.value if s.status else f"not ended ({s.stage.value})",
                           str(s.completions), trajectory, _fmt(s.reward),
                           "-" if verdict is None or verdict.passed is None else ("yes" if verdict.passed else "no"),

@@ -136,6 +136,7 @@ class RolloutView:
         view = self._session(event.session_id)
         view.trajectory_id = event.event_id
         view.traces = len(event.traces)
+        view.traces_by_role = dict(getattr(event.stats, "roles", None) or {})
         view.partial = event.partial
         self._built_completions[event.session_id] = event.stats.completions
 

@@ -128,10 +128,10 @@ def test_display_shows_stages_then_the_summary() -> None:
     summary = _render(summary_table([status]))
     row = next(line for line in summary.splitlines() if line.strip("│┃ ").startswith("demo"))
     cells = [cell.strip() for cell in row.strip("│┃ ").split("│")]
-    # task, sessions, completed, failed policy, failed infra, not ended, completions, trajectories, reward,
-    # passed, then mean seconds per stage (init 3.0 over two sessions, running 3.5).
-    assert cells[:10] == ["demo", "3", "1", "1", "1", "0", "3", "1", "0.50 (2)", "1/2"]
-    assert cells[10:12] == ["3.0", "-"] and cells[12] == "3.5"
+    # task, sessions, completed, failed policy, failed infra, not ended, completions, trajectories, traces per
+    # session, reward, passed, then mean seconds per stage (init 3.0 over two sessions, running 3.5).
+    assert cells[:11] == ["demo", "3", "1", "1", "1", "0", "3", "1", "0.00", "0.50 (2)", "1/2"]
+    assert cells[11:13] == ["3.0", "-"] and cells[13] == "3.5"
     assert rollout_job.exit_code([status]) == 1  # one infrastructure failure
 
     # Rewards per session with each sample's advantage from the task's group, and the groups table.
