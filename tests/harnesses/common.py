@@ -276,7 +276,24 @@ async def session_events(proxy: ProxyUnderTest, session_id: str, api: str, *,
         assert event.api == api
         assert len(event.prompt_token_ids) > 100 and len(event.token_ids) > 0
         assert len(event.logprobs) == len(event.token_ids)
-    return sorted(events, key=lambda e: e.sequence)
+    events = sorted(events, key=lambda e: e.sequence)
+    assert_exact_continuations(events)
+    return events
+
+
+def assert_exact_continuations(events: list[Completion]) -> None:
+    """Every call the proxy continued exactly extends its parent's prompt + sampled ids, token for token;
+    every call that continues a branch (a parent) was continued exactly when its session is in exact mode."""
+    by_sequence = {e.sequence: e for e in events}
+    for event in events:
+        continuation = event.continuation
+        assert continuation is not None
+        if continuation.parent_sequence is None:
+            continue
+        assert continuation.mode == "exact", (event.sequence, continuation)
+        parent = by_sequence[continuation.parent_sequence]
+        head = parent.prompt_token_ids.tolist() + parent.token_ids.tolist()
+        assert event.prompt_token_ids.tolist()[:len(head)] == head, (event.sequence, continuation)
 
 
 def assert_prefix_chain(run: SessionRun, engine_url: str | None = None) -> None:
