@@ -134,7 +134,8 @@ async def run(args: argparse.Namespace) -> None:
                 created.raise_for_status()
                 sessions.append(created.json())
             json_type = {"content-type": "application/json"}
-            through = [(f"{s['base_urls']['openai']}/chat/completions", json_type) for s in sessions]
+            through = [(f"{s['base_urls']['openai']}/chat/completions",
+                        {**json_type, "authorization": f"Bearer {s['api_key']}"}) for s in sessions]
             direct = [(direct_url, json_type) for _ in sessions]
             # Warm both paths (connections, JIT-free but caches and producer metadata).
             await _round(direct, bodies, 1, client)
