@@ -14,8 +14,11 @@ is Kafka's at-least-once.) Group events are deduplicated by event id; a record t
 to the dead-letter topic and is passed over.
 
 Samples: a sample with ``advantage`` None (a failed or infrastructure-failed session, kept out of training)
-or without a trajectory is skipped; every trace of a trajectory becomes one sequence carrying the sample's
-advantage (see sinks/join.py for how trajectories are found and sinks/batching.py for the arrays).
+or without a trajectory is skipped; every trace of a trajectory whose branch role the feed keeps becomes one
+sequence carrying the sample's advantage (see sinks/join.py for how trajectories are found and
+sinks/batching.py for the arrays). Roles: ``roles=`` or ``ROLLWIRE_FEED_ROLES``, main and sub_agent by
+default (a side call such as title generation must not carry the task's advantage; see sinks/roles.py);
+traces left out for their role are counted per role in ``stats.traces_skipped_by_role``.
 
 Torch: the feed itself needs only numpy. With ``tensors="torch"`` (the default) each batch's arrays are
 converted with a lazy ``import torch``, so rollwire's services and tests do not install torch; a training
@@ -34,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -61,6 +64,7 @@ from sinks.batching import (
     padded_cost,
 )
 from sinks.join import TrajectoryJoin
+from sinks.roles import feed_roles_from_env, parse_roles
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,7 @@ class FeedStats:
     dead_lettered: int = 0
     over_budget_batches: int = 0
     no_signal_groups_skipped: int = 0
+    traces_skipped_by_role: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -175,7 +180,8 @@ class TrainerFeed(Iterator[Batch]):
     ``pack=True`` sequences are packed into rows of ``row_tokens`` (default: the budget). A partial batch is
     yielded once no new group has come for ``linger_s``; iteration stops after ``idle_timeout_s`` without
     any group (None: never, an online trainer waits). ``skip_no_signal`` passes over groups whose rewards
-    were all equal (every advantage 0), as dynamic-sampling trainers do.
+    were all equal (every advantage 0), as dynamic-sampling trainers do. ``roles`` are the branch roles whose
+    traces are trained on (None: ``ROLLWIRE_FEED_ROLES``, else main and sub_agent).
     """
 
     def __init__(self, bootstrap: str | None = None, topic: str = Topic.GROUPS.value, *,
@@ -186,7 +192,8 @@ class TrainerFeed(Iterator[Batch]):
                  from_beginning: bool = True, linger_s: float = 1.0, idle_timeout_s: float | None = None,
                  join_lookback_s: float | None = 3600.0, join_timeout_s: float = 30.0,
                  join_index_bytes: int = 2 * 1024 ** 3, max_poll_interval_s: float = 1800.0,
-                 dedupe_window: int = 100_000, skip_no_signal: bool = False) -> None:
+                 dedupe_window: int = 100_000, skip_no_signal: bool = False,
+                 roles: Iterable[str] | None = None) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget}")
         if row_tokens is not None and row_tokens < 1:
@@ -199,6 +206,7 @@ class TrainerFeed(Iterator[Batch]):
                               "tensors='numpy'")
         if not group_id:
             raise ValueError("group_id must name the trainer's consumer group (its committed position)")
+        self.roles = parse_roles(roles) if roles is not None else feed_roles_from_env()
         if settings is None:
             settings = KafkaSettings(kafka_bootstrap=bootstrap) if bootstrap else KafkaSettings()
         elif bootstrap:
@@ -459,6 +467,10 @@ class TrainerFeed(Iterator[Batch]):
                 continue
             for trace in trajectory.traces:
                 if not trace.loss_mask.any():
+                    continue
+                if trace.role not in self.roles:
+                    skipped = self.stats.traces_skipped_by_role
+                    skipped[trace.role] = skipped.get(trace.role, 0) + 1
                     continue
                 sequences.append(TrainingSequence(
                     token_ids=trace.token_ids, loss_mask=trace.loss_mask, logprobs=trace.logprobs,

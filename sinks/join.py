@@ -38,12 +38,13 @@ DEFAULT_INDEX_BYTES = 2 * 1024 ** 3
 
 @dataclass(frozen=True, slots=True)
 class IndexedTrace:
-    """The arrays of one trace, as the feed needs them."""
+    """The arrays of one trace, as the feed needs them, and its branch role (the feed keeps some roles)."""
 
     trace_id: str
     token_ids: np.ndarray
     loss_mask: np.ndarray
     logprobs: np.ndarray
+    role: str = "main"
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +62,7 @@ class IndexedTrajectory:
 
     @classmethod
     def of(cls, trajectory: Trajectory) -> IndexedTrajectory:
-        traces = tuple(IndexedTrace(t.trace_id, t.token_ids.numpy, t.loss_mask.numpy, t.logprobs.numpy)
+        traces = tuple(IndexedTrace(t.trace_id, t.token_ids.numpy, t.loss_mask.numpy, t.logprobs.numpy, t.role)
                        for t in trajectory.traces)
         return cls(trajectory.event_id, trajectory.session_id, trajectory.task_id, traces)
 

@@ -1,7 +1,9 @@
 """The SFT store: accepted trajectories as a chat-messages dataset (JSONL and Parquet) with acceptance stats.
 
 A session's trajectory is *accepted* for an evaluator when that evaluator's reward is at or above the
-threshold. Each trace (with at least one trained token) of an accepted trajectory becomes one row:
+threshold. Each trace (with at least one trained token) of an accepted trajectory whose branch role is
+among ``SftCriteria.roles`` (``ROLLWIRE_SFT_ROLES``, ``--roles``; main and sub_agent by default, see
+sinks/roles.py) becomes one row; a trace left out for its role is counted in ``rows_skipped_by_role``:
 
 - ``messages``: the conversation in the chat-messages form `datasets` and TRL's SFTTrainer read
   (``role``, ``content`` as text, ``tool_calls`` in the OpenAI shape with ``arguments`` as the sampled
@@ -35,7 +37,7 @@ import json
 import logging
 import os
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from schemas.completions import Completion, ToolCall
 from schemas.envelope import Event
 from schemas.evaluations import Evaluation
 from schemas.trajectories import Trace, Trajectory
+from sinks.roles import sft_roles_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +58,20 @@ DEFAULT_MESSAGE_CACHE_BYTES = 512 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class SftCriteria:
-    """Which evaluations accept a trajectory: the evaluator's name (None: any) and the minimum reward."""
+    """Which evaluations accept a trajectory: the evaluator's name (None: any) and the minimum reward; and
+    which of an accepted trajectory's traces become rows: those whose branch role is in ``roles``
+    (default: ``ROLLWIRE_SFT_ROLES``, else main and sub_agent)."""
 
     min_reward: float = 1.0
     evaluator: str | None = None
+    roles: frozenset[str] = field(default_factory=sft_roles_from_env)
 
     def matches(self, evaluation: Evaluation) -> bool:
         return self.evaluator is None or evaluation.evaluator == self.evaluator
+
+    def keeps(self, trace: Trace) -> bool:
+        """Whether ``trace``'s branch role is one this dataset takes."""
+        return trace.role in self.roles
 
 
 def _text(content: Any) -> str:
@@ -145,6 +155,7 @@ class SftStore:
             (d["session_id"], d["evaluator"]): d for d in self._read_lines(DECISIONS_FILE)}
         self.rows_written = 0
         self.rows_without_messages: dict[str, str] = {}  # row id -> session id, retried as events come
+        self.rows_skipped_for_role: dict[str, str] = {}  # row id -> the trace's role, not among criteria.roles
         self.evaluation_errors = 0
         self._rows_out = (self.out_dir / ROWS_FILE).open("a", encoding="utf-8")
         self._decisions_out = (self.out_dir / DECISIONS_FILE).open("a", encoding="utf-8")
@@ -215,6 +226,9 @@ class SftStore:
             row_id = f"{trajectory.event_id}:{trace.trace_id}"
             if row_id in self._row_ids or not trace.loss_mask.numpy.any():
                 continue
+            if not self.criteria.keeps(trace):
+                self.rows_skipped_for_role[row_id] = trace.role
+                continue
             completion_id = _last_completion_id(trace)
             found = self._conversations.get(completion_id) if completion_id else None
             if found is None:
@@ -282,10 +296,15 @@ class SftStore:
             for counts in (total, by_task[decision["task_id"] or "-"], by_evaluator[decision["evaluator"]]):
                 counts[0] += 1
                 counts[1] += int(decision["accepted"])
+        skipped_by_role: dict[str, int] = defaultdict(int)
+        for role in self.rows_skipped_for_role.values():
+            skipped_by_role[role] += 1
         return {
             "evaluator": self.criteria.evaluator, "min_reward": self.criteria.min_reward,
+            "roles": sorted(self.criteria.roles),
             "attempted": total[0], "accepted": total[1], "acceptance_rate": rate(total[1], total[0]),
             "rows": len(self._row_ids), "rows_without_messages": len(self.rows_without_messages),
+            "rows_skipped_by_role": dict(sorted(skipped_by_role.items())),
             "evaluation_errors": self.evaluation_errors,
             "by_evaluator": {k: {"attempted": a, "accepted": c, "acceptance_rate": rate(c, a)}
                              for k, (a, c) in sorted(by_evaluator.items())},

@@ -15,6 +15,7 @@ from datetime import datetime
 
 import numpy as np
 
+from processors.builders.continuations import count_prompt_builds, count_traces, cut_turns, trace_role
 from schemas.completions import Completion
 from schemas.envelope import utcnow
 from schemas.sessions import FailureKind, SessionStatus
@@ -145,7 +146,8 @@ class TraceArrays:
         return Trace(trace_id=trace_id, branch=branch, parent_branch=parent_branch,
                      completion_ids=[c.event_id for c in calls], sequences=[c.sequence for c in calls],
                      token_ids=self.tokens, loss_mask=self.mask, logprobs=self.logprobs,
-                     truncated=calls[-1].event.finish_reason == "length")
+                     truncated=calls[-1].event.finish_reason == "length",
+                     cut_turns=cut_turns(c.event for c in calls), role=trace_role(c.event for c in calls))
 
 
 def trace_id(session_id: str, label: str) -> str:
@@ -161,11 +163,14 @@ def _common(values: Iterable[str | None], what: str, stats: TrajectoryStats) -> 
 
 
 def trajectory(builder: BuilderName, session: Session, traces: list[Trace]) -> Trajectory:
-    """Wrap traces into the Trajectory event, with an event id derived from its inputs."""
+    """Wrap traces into the Trajectory event, with an event id derived from its inputs; completes the stats
+    that every builder reports the same way (traces, truncation, roles, how the prompts were built)."""
     facts, stats = session.facts, session.stats
     stats.traces = len(traces)
     stats.truncated = sum(t.truncated for t in traces)
+    count_traces(traces, stats)
     events = [c.event for c in session.calls]
+    count_prompt_builds(events, stats)
     policy_version = facts.policy_version or _common((e.policy_version for e in events), "policy version", stats)
     task_id = facts.task_id or _common((e.task_id for e in events), "task id", stats)
     digest = hashlib.sha256("\0".join([builder, facts.session_id, str(facts.partial),

@@ -12,15 +12,23 @@ results, template glue, whatever the template appends after a ``length``-cut tur
   mask 0, so every sampled token is trained exactly once across the session's traces.
 - A call that extends no turn opens a root branch (compaction, sub-agents, title generation, memory
   extraction). Interleaved agents thus keep separate branches.
-- Retries: a call marked ``retry_of`` an earlier usable turn with the same parent, or whose prompt is
-  identical to such a turn's, is another attempt at that turn. ``stats.retries`` counts these calls and
-  every call marked ``retry_of`` (a retry of a failed call, or a mark the tokens contradict: reported).
-  Of the attempts, the one the harness continued is kept; when none was continued (the session ended
-  there), the **latest** is kept; the others are dropped, not forked. If several attempts were each
-  continued they are evidently separate agents: all are kept as branches and a problem is reported.
+- Branch roles: a call whose ``continuation.role`` (main, sub_agent, side) differs from its parent's
+  does not continue the parent's branch even when its prompt extends the tip: it opens a branch with
+  ``parent_branch`` set, so a side call made on the agent's context never lands in the agent's row. A
+  trace's ``role`` is its first call's with a continuation block ("main" for older events).
+- Retries: a call marked as a retry of an earlier usable turn with the same parent (``retry_of``, else
+  the proxy's ``continuation.retry_of_sequence``), or whose prompt is identical to such a turn's, is
+  another attempt at that turn. ``stats.retries`` counts these calls and every call marked as a retry
+  (a retry of a failed call, or a mark the tokens contradict: reported). Of the attempts, the one the
+  harness continued is kept; when none was continued (the session ended there), the **latest** is kept;
+  the others are abandoned: dropped, not forked, listed in ``stats.abandoned`` and each named in
+  ``stats.problems`` with the attempt kept. If several attempts were each continued they are evidently
+  separate agents: all are kept as branches and a problem is reported.
 - Failed calls are rejected (``stats.rejected``) before any of this. Sampled tokens without a logprob
   are masked out (mask 1 always comes with a real logprob), counted in ``stats.missing_logprobs`` and
-  named in ``stats.problems``. A trace is ``truncated`` when its last turn stopped at ``length``.
+  named in ``stats.problems``. A trace is ``truncated`` when its last turn stopped at ``length``; its
+  ``cut_turns`` lists every turn that did (a cut turn in the middle was continued past the cut, the
+  close token the proxy added after it being context, mask 0).
 - Ties (two turns of equal length whose identical sequences the prompt extends) are reported in
   ``stats.problems`` unless they are attempts at one turn; the earliest turn is chosen (the latest
   attempt for retries).
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from processors.builders.common import Call, SessionFacts, TraceArrays, prepare, trace_id, trajectory
+from processors.builders.continuations import call_role, retry_mark
 from schemas.completions import Completion
 from schemas.trajectories import Trajectory, TrajectoryStats
 
@@ -117,7 +126,7 @@ def _find_parent(prompt: np.ndarray, chains: list[_Chain], call: Call, stats: Tr
 def _earlier_attempt(call: Call, siblings: list[_Turn], by_sequence: dict[int, _Turn],
                      stats: TrajectoryStats) -> _Turn | None:
     """The earlier turn ``call`` retries, if it is another attempt at a turn already taken."""
-    retry_of = call.event.retry_of
+    retry_of = retry_mark(call.event)
     if retry_of is not None and retry_of in by_sequence:
         target = by_sequence[retry_of]
         if any(target is s for s in siblings):
@@ -142,7 +151,7 @@ def _grow_tree(calls: list[Call], stats: TrajectoryStats) -> list[_Turn]:
         turn = _Turn(call, parent)
         siblings = parent.children if parent is not None else roots
         earlier = _earlier_attempt(call, siblings, by_sequence, stats)
-        if call.event.retry_of is not None or earlier is not None:
+        if retry_mark(call.event) is not None or earlier is not None:
             stats.retries += 1
         if earlier is not None:
             if earlier.attempts is None:
@@ -165,7 +174,8 @@ def _grow_tree(calls: list[Call], stats: TrajectoryStats) -> list[_Turn]:
 
 
 def _settle_retries(turns: list[_Turn], stats: TrajectoryStats) -> None:
-    """Keep, of each turn's attempts, the continued one (else the latest); drop the rest."""
+    """Keep, of each turn's attempts, the continued one (else the latest); abandon the rest, each listed in
+    ``stats.abandoned`` and named in ``stats.problems`` with the attempt kept."""
     settled: set[int] = set()
     for turn in turns:
         attempts = turn.attempts
@@ -177,8 +187,21 @@ def _settle_retries(turns: list[_Turn], stats: TrajectoryStats) -> None:
             stats.problems.append(f"sequences {[a.call.sequence for a in attempts]} attempt the same turn but "
                                   f"{[a.call.sequence for a in continued]} were each continued; kept as branches")
         keep = continued or [attempts[-1]]
+        kept = (f"sequence {keep[0].call.sequence} attempted the same turn and was kept" if len(keep) == 1 else
+                f"sequences {', '.join(str(k.call.sequence) for k in keep)} attempted the same turn and were kept")
         for attempt in attempts:
             attempt.kept = any(attempt is k for k in keep)  # dropped attempts have no children
+            if not attempt.kept:
+                stats.abandoned.append(attempt.call.sequence)
+                stats.problems.append(f"{attempt.call.name()} was abandoned: {kept}; its sample is dropped, "
+                                      f"not trained on")
+    stats.abandoned.sort()
+
+
+def _continues(parent: _Turn, turn: _Turn) -> bool:
+    """Whether ``turn`` may extend its parent's branch: not when both carry a role and the roles differ."""
+    parent_role, role = call_role(parent.call.event), call_role(turn.call.event)
+    return parent_role is None or role is None or parent_role == role
 
 
 def build(completions: Iterable[Completion], facts: SessionFacts) -> Trajectory:
@@ -194,7 +217,7 @@ def build(completions: Iterable[Completion], facts: SessionFacts) -> Trajectory:
         if not turn.kept:
             continue
         parent = turn.parent
-        if parent is not None and branches[parent.branch][-1] is parent:
+        if parent is not None and branches[parent.branch][-1] is parent and _continues(parent, turn):
             turn.branch = parent.branch
             branches[turn.branch].append(turn)
             stats.merged += 1

@@ -36,6 +36,7 @@ class _Agent:
 class GeneratedSession:
     events: list[Completion]
     trained: list[int]  # sampled tokens of the attempts the harness used: each must be trained exactly once
+    used_ids: set[str]  # event ids of those attempts
     linear: bool
 
 
@@ -111,7 +112,7 @@ def sessions(draw: st.DrawFn, actions: list[str] | None = None) -> GeneratedSess
             harness.events.append(failed)
             harness.call(agent, prompt, sampled_n, retry_of=failed.sequence if mark else None)
     trained = [t for event in harness.used.values() for t in event.token_ids.tolist()]
-    return GeneratedSession(harness.events, trained, linear)
+    return GeneratedSession(harness.events, trained, set(harness.used), linear)
 
 
 def _trained_tokens(result: Trajectory) -> list[int]:
@@ -146,6 +147,15 @@ def test_prefix_merging_trains_every_used_sampled_token_exactly_once(session: Ge
     assert len(merged_ids) == len(set(merged_ids))
     assert result.stats.branches == result.stats.traces == len(result.traces)
     assert result.stats.missing_logprobs == 0
+    # Every usable call is in a trace or abandoned, each abandoned one named in a problem; with distinct
+    # samples (no two empty turns alike), the abandoned are exactly the attempts the harness replaced.
+    ok = [e for e in session.events if e.status == "ok"]
+    traced = {s for trace in result.traces for s in trace.sequences}
+    assert result.stats.abandoned == sorted(e.sequence for e in ok if e.sequence not in traced)
+    assert all(any(f"(sequence {s}) was abandoned" in p for p in result.stats.problems)
+               for s in result.stats.abandoned)
+    if all(len(e.token_ids) for e in ok):
+        assert result.stats.abandoned == sorted(e.sequence for e in ok if e.event_id not in session.used_ids)
     # Any delivery order, with redeliveries, builds the same trajectory.
     redelivered = data.draw(st.lists(st.sampled_from(session.events), max_size=4))
     shuffled = data.draw(st.permutations(session.events + redelivered))

@@ -130,6 +130,8 @@ def test_retry_marked_by_the_proxy_keeps_the_attempt_the_harness_continued() -> 
     assert trace.sequences == [0, 2, 3]
     assert trained(trace) == [10, EOT, 12, EOT, 13, EOT]
     assert (result.stats.retries, result.stats.branches, result.stats.rejected) == (1, 1, 0)
+    assert result.stats.abandoned == [1]
+    assert any(first.event_id in p and "abandoned" in p and "sequence 2" in p for p in result.stats.problems)
 
 
 def test_retry_by_identical_prompt_after_the_original_was_continued_is_dropped() -> None:
@@ -141,6 +143,7 @@ def test_retry_by_identical_prompt_after_the_original_was_continued_is_dropped()
     (trace,) = result.traces
     assert trace.sequences == [0, 1, 2]
     assert result.stats.retries == 1
+    assert result.stats.abandoned == [3]
 
 
 def test_last_turn_retried_keeps_the_later_attempt() -> None:
@@ -178,12 +181,13 @@ def test_length_truncated_turn_is_closed() -> None:
     """A turn cut by `length` has no end-of-turn token; the template's glue after it is context (mask 0)."""
     cut = make_call(0, [1, 2], [10, 11], finish_reason="length")
     alone = merge(cut)
-    assert alone.traces[0].truncated and alone.stats.truncated == 1
+    assert alone.traces[0].truncated and alone.traces[0].cut_turns == [0] and alone.stats.truncated == 1
     nxt = make_call(1, full(cut) + [EOT, 20], [12, EOT])
     result = merge(cut, nxt)
     (trace,) = result.traces
     assert trace.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
     assert not trace.truncated and result.stats.truncated == 0
+    assert trace.cut_turns == [0] and result.stats.cut_turns == 1  # the cut is in the middle now
     assert_logprobs_follow_mask(trace)
 
 

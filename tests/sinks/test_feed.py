@@ -231,3 +231,40 @@ async def test_the_grpo_example_takes_a_real_gradient_step(kafka: KafkaSettings,
     assert float(steps[0]["mean_ratio"]) == pytest.approx(1.0, abs=1e-3)
     assert float(steps[0]["grad_norm"]) > 0
     assert int(steps[0]["groups"]) == 1  # 3 samples x ~30 tokens: one group per 120-token batch
+
+
+async def test_side_traces_are_fed_only_when_their_role_is_kept(kafka: KafkaSettings,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each trajectory has a main trace and a side trace (a title call): by default only the main one is
+    trained on, the side one counted; ``roles`` (or ROLLWIRE_FEED_ROLES) can take it in."""
+    monkeypatch.delenv("ROLLWIRE_FEED_ROLES", raising=False)
+    async with EventProducer(kafka) as producer:
+        built = []
+        for i in range(SAMPLES):
+            t = trajectory(f"task-r-s{i}", "task-r", length=LENGTH, seed=i, traces=2)
+            main, side = t.traces
+            built.append(t.model_copy(update={"traces": [main, side.model_copy(update={"role": "side"})]}))
+        await producer.send_many(built)
+        await producer.send(group("task-r", built, [1.0, -0.5, -0.5]))
+    default = await asyncio.to_thread(_feed, kafka, f"trainer-{uuid.uuid4().hex[:8]}")
+    try:
+        batches = await asyncio.to_thread(_drain, default)
+    finally:
+        await asyncio.to_thread(default.close)
+    assert default.roles == {"main", "sub_agent"}
+    assert [t.split("/")[-1] for b in batches for t in b.trace_ids] == ["0"] * SAMPLES
+    assert default.stats.traces_skipped_by_role == {"side": SAMPLES}
+    monkeypatch.setenv("ROLLWIRE_FEED_ROLES", "main,side")
+    for options in ({}, {"roles": ["main", "sub_agent", "side"]}):
+        with_side = await asyncio.to_thread(_feed, kafka, f"trainer-{uuid.uuid4().hex[:8]}", **options)
+        try:
+            batches = await asyncio.to_thread(_drain, with_side)
+        finally:
+            await asyncio.to_thread(with_side.close)
+        assert sorted(t.split("/")[-1] for b in batches for t in b.trace_ids) == ["0"] * SAMPLES + ["1"] * SAMPLES
+        assert with_side.stats.traces_skipped_by_role == {}
+
+
+def test_an_unknown_feed_role_is_refused_before_kafka_is_reached() -> None:
+    with pytest.raises(ValueError, match="sidecar"):
+        TrainerFeed("127.0.0.1:1", group_id="g", token_budget=10, tensors="numpy", roles=["main", "sidecar"])

@@ -106,6 +106,7 @@ async def test_export_sft_rebuilds_a_dataset_that_datasets_loads(kafka: KafkaSet
         assert done.returncode == 0, done.stderr[-2000:]
     printed = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     assert (printed["attempted"], printed["accepted"], printed["acceptance_rate"]) == ("6", "2", "0.3333")
+    assert printed["rows_skipped_by_role"] == "{}"
     rows = datasets.load_dataset("json", data_files=str(out / "sft.jsonl"), split="train")
     assert rows.num_rows == 2 and len(set(rows["id"])) == 2
     assert rows[0]["messages"][0]["role"] == "system"
@@ -114,3 +115,52 @@ async def test_export_sft_rebuilds_a_dataset_that_datasets_loads(kafka: KafkaSet
     assert sorted(table["id"]) == sorted(rows["id"])
     stats = json.loads((out / "stats.json").read_text())
     assert stats["by_task"]["task-a"]["accepted"] == 2
+
+
+def _with_side_trace(session_id: str = "task-c-s0", task_id: str = "task-c") -> list:
+    """An accepted session whose trajectory has a main trace and a side trace (a title call)."""
+    first = completion(session_id, task_id, 0, user=f"fix {session_id}", answer="looking")
+    last = completion(session_id, task_id, 1, user=f"fix {session_id}", answer="done")
+    built = trajectory(session_id, task_id, completion_ids=[first.event_id, last.event_id], traces=2)
+    main, side = built.traces
+    built = built.model_copy(update={"traces": [main, side.model_copy(update={"role": "side"})]})
+    return [first, last, built, evaluation(session_id, task_id, 1.0)]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "sft.jsonl").read_text().splitlines()]
+
+
+def test_side_traces_are_left_out_by_default_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLLWIRE_SFT_ROLES", raising=False)
+    store = _store(tmp_path)
+    assert store.criteria.roles == {"main", "sub_agent"}
+    for event in _with_side_trace():
+        store.take(event)
+    stats = store.finish()
+    store.close()
+    assert [r["trace_id"] for r in _rows(tmp_path)] == ["task-c-s0/0"]
+    assert stats["rows"] == 1 and stats["rows_skipped_by_role"] == {"side": 1}
+    assert stats["roles"] == ["main", "sub_agent"]
+
+
+def test_side_traces_become_rows_when_their_role_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    explicit = SftStore(tmp_path / "explicit", SftCriteria(evaluator="tests", roles=frozenset({"main", "side"})))
+    monkeypatch.setenv("ROLLWIRE_SFT_ROLES", "main, sub_agent,side")
+    from_env = SftStore(tmp_path / "env", SftCriteria(evaluator="tests"))
+    for store in (explicit, from_env):
+        for event in _with_side_trace():
+            store.take(event)
+        stats = store.finish()
+        store.close()
+        assert sorted(r["trace_id"] for r in _rows(store.out_dir)) == ["task-c-s0/0", "task-c-s0/1"]
+        assert stats["rows_skipped_by_role"] == {}
+    assert from_env.criteria.roles == {"main", "sub_agent", "side"}
+
+
+def test_export_sft_refuses_an_unknown_role(tmp_path: Path) -> None:
+    """The role option is checked before Kafka is read: a typo exits 2 naming the known roles."""
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "export-sft", "--roles", "main,sidecar",
+                           str(tmp_path / "sft")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "sidecar" in done.stderr and "sub_agent" in done.stderr
