@@ -1,0 +1,176 @@
+"""The stand-in engine's token endpoints: render, generate, derender, detokenize, with vLLM's recorded shapes.
+
+What vLLM serves under ``--enable-scale-out`` (``tests/fixtures/vllm/render.json``, ``generate.json``,
+``derender.json``, ``detokenize.json``), so the proxy's exact-token continuation runs against the
+stand-in in fast tests and benchmarks. Tokens on this path are the stand-in's bytes, except that the
+template's two markers are special tokens with the real vocabulary's ids (``<|im_start|>`` 151644,
+``<|im_end|>`` 151645), as in the real model: a turn that stops samples ``<|im_end|>`` as its last id,
+and a closed turn is followed by the template's ``\\n``. The prompt layout is the stand-in's ChatML
+(``standin_engine.render_prompt``), which appends the generation prompt only when asked.
+
+- render: the chat request's prompt ids and vLLM-shaped ``sampling_params`` (``vllm_xargs`` as
+  ``extra_args``, ``structured_outputs``, the stand-in's ``standin_fail`` carried there too);
+- generate: the reply the chat endpoint would give for the same request (forced text or ids, a literal
+  regex, or seeded words), for the given ids; ``standin_fail``: ``overflow``, ``error``, ``hang``;
+- derender: the generate reply's ids read back as text, tool calls parsed when the request offered tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from bench import standin_engine as engine
+
+if TYPE_CHECKING:
+    from bench.standin_engine import Standin
+
+IM_START, IM_END = 151644, 151645
+_MARKERS = {"<|im_start|>": IM_START, "<|im_end|>": IM_END}
+_NAMES = {v: k for k, v in _MARKERS.items()}
+
+
+def tokenize_chat(text: str) -> list[int]:
+    """Bytes, with the template's markers as their special ids."""
+    ids: list[int] = []
+    rest = text
+    while rest:
+        cut = min(((rest.find(m), m) for m in _MARKERS if rest.find(m) >= 0), default=None)
+        if cut is None:
+            ids.extend(rest.encode("utf-8"))
+            break
+        at, marker = cut
+        ids.extend(rest[:at].encode("utf-8"))
+        ids.append(_MARKERS[marker])
+        rest = rest[at + len(marker):]
+    return ids
+
+
+def detokenize_chat(ids: list[int]) -> str:
+    out, run = [], bytearray()
+    for token in ids:
+        if token in _NAMES:
+            out.append(run.decode("utf-8", errors="ignore"))
+            run.clear()
+            out.append(_NAMES[token])
+        elif 0 <= token < 256:
+            run.append(token)
+    out.append(run.decode("utf-8", errors="ignore"))
+    return "".join(out)
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    text = engine.render_prompt(body)
+    if body.get("add_generation_prompt", True) is False:
+        text = text[: -len("<|im_start|>assistant\n")]
+    return text
+
+
+class TokenEndpoints:
+    """Handlers bound to one stand-in."""
+
+    def __init__(self, standin: Standin) -> None:
+        self.standin = standin
+        self.render_template = engine._load("render.json")["response"]
+        self.generate_template = engine._load("generate.json")["response"]
+        self.derender_template = engine._load("derender.json")["response"]
+
+    async def render(self, request: Request) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+            ids = tokenize_chat(_prompt(body))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return self.standin._error(400, f"invalid render request: {exc}"[:2000])
+        out = copy.deepcopy(self.render_template)
+        sampling = out["sampling_params"]
+        sampling.update(seed=body.get("seed"), max_tokens=body.get("max_tokens") or self.standin.config.reply_tokens,
+                        temperature=body.get("temperature", 1.0))
+        extra = dict(body.get("vllm_xargs") or {})
+        if body.get("standin_fail"):
+            extra["standin_fail"] = body["standin_fail"]
+        if extra:
+            sampling["extra_args"] = extra
+        if body.get("structured_outputs"):
+            sampling["structured_outputs"] = body["structured_outputs"]
+        out.update(request_id=f"chatcmpl-{uuid.uuid4().hex[:16]}", token_ids=ids, model=body.get("model"))
+        return JSONResponse(out)
+
+    async def generate(self, request: Request) -> Response:
+        self.standin.requests += 1
+        try:
+            body = orjson.loads(await request.body())
+            prompt: list[int] = list(body["token_ids"])
+            sampling = body.get("sampling_params") or {}
+            max_tokens = int(sampling.get("max_tokens") or self.standin.config.reply_tokens)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return self.standin._error(400, f"invalid generate request: {exc}"[:2000])
+        extra = dict(sampling.get("extra_args") or {})
+        fail = extra.pop("standin_fail", None)
+        if fail == "overflow" or len(prompt) + max_tokens > self.standin.config.max_model_len:
+            return self.standin._error(400, f"This model's maximum context length is "
+                                            f"{self.standin.config.max_model_len} tokens. However, your request has "
+                                            f"{len(prompt) + max_tokens} input tokens.", "input_tokens")
+        if fail == "error":
+            return self.standin._error(500, "EngineCore encountered an issue.")
+        if fail == "hang":
+            await asyncio.sleep(3600)
+        await asyncio.sleep(self.standin.config.latency_ms / 1000)
+        chat_like = {"vllm_xargs": extra, "structured_outputs": sampling.get("structured_outputs"),
+                     "seed": sampling.get("seed")}
+        text = engine._reply_text(chat_like, prompt, min(max_tokens, self.standin.config.reply_tokens))
+        forced = bool(chat_like["structured_outputs"]) or bool(extra)
+        ids = list(text.encode("utf-8"))
+        limit = min(max_tokens, max(self.standin.config.reply_tokens, len(ids) if forced else 0))
+        finish = "length" if len(ids) > limit else "stop"
+        ids = ids[:limit] + ([IM_END] if finish == "stop" else [])
+        out = copy.deepcopy(self.generate_template)
+        choice = out["choices"][0]
+        choice.update(token_ids=ids, finish_reason=finish, stop_reason=None,
+                      weight_versions=[{"version": "default", "start": 0, "end": len(ids)}],
+                      logprobs={"content": [{"token_id": t, "logprob": engine._logprob(t, i), "rank": 1,
+                                             "top_logprobs": []} for i, t in enumerate(ids)]})
+        out.update(request_id=f"generate-tokens-{uuid.uuid4().hex[:16]}", created=int(time.time()),
+                   model=body.get("model"))
+        out["usage"].update(prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids))
+        return JSONResponse(out)
+
+    async def derender(self, request: Request) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+            generated = body["generate_response"]["choices"][0]
+            chat = body.get("chat_request") or {}
+            ids = [t for t in generated.get("token_ids") or () if t not in _NAMES]
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+            return self.standin._error(400, f"invalid derender request: {exc}"[:2000])
+        text = bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="ignore")
+        calls = engine._tool_calls(text, chat)
+        out = copy.deepcopy(self.derender_template)
+        choice = out["choices"][0]
+        choice["message"].update(content=None if calls else text, tool_calls=calls)
+        choice["finish_reason"] = generated.get("finish_reason") or "stop"
+        choice["logprobs"] = None
+        out.update(id=body["generate_response"].get("request_id") or f"chatcmpl-{uuid.uuid4().hex}",
+                   created=int(time.time()), model=chat.get("model"))
+        return JSONResponse(out)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+            text = detokenize_chat(list(body["tokens"]))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return self.standin._error(400, f"invalid detokenize request: {exc}"[:2000])
+        return JSONResponse({"prompt": text})
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/chat/completions/render", self.render, methods=["POST"]),
+                Route("/inference/v1/generate", self.generate, methods=["POST"]),
+                Route("/v1/chat/completions/derender", self.derender, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"])]
