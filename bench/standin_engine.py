@@ -11,9 +11,32 @@ a tool call): the reply is that text, and a ``<tool_call>{json}</tool_call>`` re
 (``vllm_xargs.rollwire_forced_tokens``, see ``deploy/engine/plugins``) carries its text as
 ``vllm_xargs.rollwire_forced_text``: the reply is that text, tokenized the stand-in's way (the real ids
 mean nothing under its one-token-per-byte scheme); without the text, the ids themselves come back, the
-text being those below 256 read as bytes. Failure modes are chosen per request with the
-``x-standin-fail`` header or the ``standin_fail`` body field (a session can set it through its engine extras): ``overflow`` (vLLM's context-length 400), ``error`` (500), ``hang``
-(no answer), ``cut`` (the stream breaks off midway).
+text being those below 256 read as bytes.
+
+A request the stand-in cannot read (a body that is not a chat completion it understands) gets vLLM's
+400 ``BadRequestError`` object, as the real server answers malformed input, never a 500.
+
+Failure modes are chosen per request with the ``x-standin-fail`` header or the ``standin_fail`` body
+field. The proxy does not forward harness headers, but it does put a session's ``engine.extra`` into
+every engine body, so a session created with ``{"engine": {"extra": {"standin_fail": "no_finish"}}}``
+gets that mode on each of its calls. "Midway" below is after half of the reply's token chunks (so a
+reply of two or more chunks has sent some tokens first). The modes, shaped as vLLM's server sends them:
+
+- ``overflow``: vLLM's context-length 400 (``BadRequestError``).
+- ``error``: a 500 with vLLM's error object.
+- ``hang``: no answer at all (the caller's timeout decides).
+- ``cut``: the stream breaks off midway (the connection closes without a proper chunked end).
+- ``error_string``: streamed, the normal chunks up to midway, then ``data: {"error": "engine exploded"}``
+  (the error a plain string) and the body ends; whole, a 500 with that same body.
+- ``error_object``: the same with vLLM's error object, ``data: {"error": {"message": ..., "type":
+  "InternalServerError", "param": null, "code": 500}}``; whole, a 500 with it.
+- ``no_finish``: streamed, every token chunk with ``finish_reason: null``, then the body ends cleanly
+  with no finish chunk, no usage chunk and no ``data: [DONE]``; whole, a reply whose choice has
+  ``finish_reason: null``.
+- ``garbage``: streamed, midway a chunk whose data is not JSON (the stream then goes on to its normal
+  end); whole, a 200 ``application/json`` body that is not JSON.
+- ``no_token_ids``: the reply, whole or streamed, without ``prompt_token_ids`` and ``token_ids`` (a
+  vLLM started without ``return_token_ids`` support).
 
     python -m bench.standin_engine --port 18001 --latency-ms 20
 """
@@ -29,6 +52,7 @@ import re
 import struct
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +67,10 @@ from starlette.routing import Route
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm"
 FORCED_TOKENS_ARG = "rollwire_forced_tokens"  # deploy/engine/plugins: the real engine's forced ids
 FORCED_TEXT_ARG = "rollwire_forced_text"  # the same turn's text, what the stand-in replies
+FAIL_MODES = ("overflow", "error", "hang", "cut", "error_string", "error_object", "no_finish", "garbage",
+              "no_token_ids")
+STREAM_ERROR_STRING = "engine exploded"
+_GARBAGE = b"data: {this is not json <html>502 Bad Gateway</html>\n\n"
 _WORDS = ("the", "file", "test", "def", "return", "import", "fix", "value", "error", "path", "self", "run")
 
 
@@ -183,10 +211,11 @@ class Standin:
         self.error_template = _load("error_context_overflow.json")["response"]
         self.requests = 0
 
-    def _error(self, status: int, message: str) -> JSONResponse:
+    def _error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
+        """vLLM's error object: ``BadRequestError`` for a 4xx, ``InternalServerError`` for a 5xx."""
         body = copy.deepcopy(self.error_template)
-        body["error"]["message"] = message
-        body["error"]["code"] = status
+        body["error"].update(message=message, code=status, param=param,
+                             type="BadRequestError" if status < 500 else "InternalServerError")
         return JSONResponse(body, status_code=status)
 
     async def models(self, request: Request) -> JSONResponse:
@@ -197,22 +226,44 @@ class Standin:
         return Response(status_code=200)
 
     async def tokenize(self, request: Request) -> JSONResponse:
-        body = await request.json()
-        ids = tokenize(render_prompt(body) if "messages" in body else body.get("prompt", ""))
+        try:
+            body = await request.json()
+            ids = tokenize(render_prompt(body) if "messages" in body else body.get("prompt", ""))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return self._error(400, f"invalid tokenize request: {exc}"[:2000])
         return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                              "token_strs": None})
 
     async def chat(self, request: Request) -> Response:
         self.requests += 1
-        body = orjson.loads(await request.body())
-        fail = request.headers.get("x-standin-fail") or body.get("standin_fail")
-        prompt_ids = tokenize(render_prompt(body), self.config.bytes_per_token)
-        max_tokens = body.get("max_tokens") or self.config.reply_tokens
-        if fail == "overflow" or len(prompt_ids) + max_tokens > self.config.max_model_len:
-            return self._error(400, f"This model's maximum context length is {self.config.max_model_len} tokens. "
-                                    f"However, your request has {len(prompt_ids) + max_tokens} input tokens.")
-        if fail == "error":
+        try:
+            body = orjson.loads(await request.body())
+            fail = request.headers.get("x-standin-fail") or body.get("standin_fail")
+            max_tokens = body.get("max_tokens") or self.config.reply_tokens
+            if not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+            prompt = render_prompt(body)
+            # One token per byte: a prompt over the context is refused before it is tokenized (fuzzed bodies
+            # carry prompts of many MiB).
+            size = len(prompt.encode("utf-8")) if self.config.bytes_per_token == 1 else None
+            prompt_ids = [] if size is not None and size > self.config.max_model_len else \
+                tokenize(prompt, self.config.bytes_per_token)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            # vLLM validates the body and answers what it cannot read with a 400, never a 500.
+            return self._error(400, f"invalid chat completion request: {exc}"[:2000])
+        except RecursionError as exc:  # JSON text nested past Python's limit (e.g. tool-call arguments)
+            return self._error(500, f"the engine failed to render the prompt: {exc}")
+        prompt_len = size if size is not None else len(prompt_ids)
+        if fail == "overflow" or prompt_len + max_tokens > self.config.max_model_len:
+            message = (f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                       f"However, your request has {prompt_len + max_tokens} input tokens.")
+            return self._error(400, message, "input_tokens")
+        if fail == "error" or (fail == "error_object" and not body.get("stream")):
             return self._error(500, "EngineCore encountered an issue.")
+        if fail == "error_string" and not body.get("stream"):
+            return JSONResponse({"error": STREAM_ERROR_STRING}, status_code=500)
+        if fail == "garbage" and not body.get("stream"):
+            return Response(b"<html>502 Bad Gateway</html>", media_type="application/json")
         if fail == "hang":
             await asyncio.sleep(3600)
         await asyncio.sleep(self.config.latency_ms / 1000)
@@ -230,7 +281,7 @@ class Standin:
         if calls:
             finish = "tool_calls"
         if body.get("stream"):
-            return StreamingResponse(self._stream(body, prompt_ids, ids, text, calls, finish, fail == "cut"),
+            return StreamingResponse(self._stream(body, prompt_ids, ids, text, calls, finish, fail),
                                      media_type="text/event-stream")
         response = copy.deepcopy(self.whole_template)
         response.update(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.get("model"),
@@ -240,11 +291,14 @@ class Standin:
             choice["message"] = {**copy.deepcopy(self.tool_message_template), "tool_calls": calls}
         else:
             choice["message"]["content"] = text
-        choice["finish_reason"] = finish
+        choice["finish_reason"] = None if fail == "no_finish" else finish
         choice["token_ids"] = ids
         choice["logprobs"] = {"content": [self._logprob_entry(t, i) for i, t in enumerate(ids)]}
         response["usage"].update(prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
                                  total_tokens=len(prompt_ids) + len(ids))
+        if fail == "no_token_ids":
+            response.pop("prompt_token_ids", None)
+            choice.pop("token_ids", None)
         return JSONResponse(response)
 
     def _logprob_entry(self, token: int, position: int) -> dict[str, Any]:
@@ -253,24 +307,40 @@ class Standin:
                 "bytes": raw, "top_logprobs": []}
 
     async def _stream(self, body: dict[str, Any], prompt_ids: list[int], ids: list[int], text: str,
-                      calls: list[dict[str, Any]], finish: str, cut: bool):
+                      calls: list[dict[str, Any]], finish: str, fail: str | None) -> AsyncIterator[bytes]:
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.get("model")
+        token_ids = fail != "no_token_ids"
 
         def chunk(template: dict[str, Any], **choice: Any) -> bytes:
             out = {**template, "id": rid, "created": created, "model": model}
             if out.get("choices"):
                 out["choices"] = [{**out["choices"][0], **choice}]
+                if not token_ids:
+                    out["choices"][0].pop("token_ids", None)
             return b"data: " + orjson.dumps(out) + b"\n\n"
 
         first = {**self.first_chunk, "prompt_token_ids": prompt_ids}
+        if not token_ids:
+            first.pop("prompt_token_ids")
         yield chunk(first)
         step = max(1, self.config.chunk_tokens)
         pieces = [ids[i:i + step] for i in range(0, len(ids), step)]
         deltas = self._tool_call_deltas(calls, len(pieces)) if calls else None
         for n, piece in enumerate(pieces):
-            if cut and n == len(pieces) // 2:
-                raise ConnectionError("stand-in cut the stream")
-            last = n == len(pieces) - 1
+            if n == len(pieces) // 2:
+                if fail == "cut":
+                    raise ConnectionError("stand-in cut the stream")
+                if fail == "error_string":
+                    yield b"data: " + orjson.dumps({"error": STREAM_ERROR_STRING}) + b"\n\n"
+                    return
+                if fail == "error_object":
+                    yield b"data: " + orjson.dumps({"error": {
+                        "message": "EngineCore encountered an issue. See stack trace for the root cause.",
+                        "type": "InternalServerError", "param": None, "code": 500}}) + b"\n\n"
+                    return
+                if fail == "garbage":
+                    yield _GARBAGE
+            last = n == len(pieces) - 1 and fail != "no_finish"
             template = self.final_chunk if last else self.middle_chunk
             lps = {"content": [self._logprob_entry(t, n * step + j) for j, t in enumerate(piece)]}
             if deltas is not None:
@@ -280,6 +350,8 @@ class Standin:
             yield chunk(template, delta=delta, token_ids=piece, logprobs=lps, finish_reason=finish if last else None)
             if self.config.token_interval_ms:
                 await asyncio.sleep(self.config.token_interval_ms / 1000)
+        if fail == "no_finish":
+            return  # the body ends cleanly: no finish chunk, no usage, no [DONE]
         usage = {**self.usage_chunk, "usage": {**self.usage_chunk["usage"], "prompt_tokens": len(prompt_ids),
                                                "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)}}
         yield chunk(usage)

@@ -80,11 +80,20 @@ def _requested_model(document: Any, route: Route) -> str | None:
     return model if isinstance(model, str) else None
 
 
+_MAX_RETRY_COUNT = 10_000
+
+
+def _retry_count(header: str) -> int:
+    """An SDK's retry counter, read without trusting it: ASCII digits, capped (anything else is 0)."""
+    if not (header.isascii() and header.isdigit()) or len(header) > 6:
+        return 0 if not (header.isascii() and header.isdigit()) else _MAX_RETRY_COUNT
+    return min(int(header), _MAX_RETRY_COUNT)
+
+
 def _context(request: Request, api: str, session: LiveSession, raw: bytes | None, keep_body: bool) -> CallContext:
     """Number the call (from here on it will have an event) and gather what is known before parsing."""
     digest = body_digest(raw) if raw is not None else None
-    retry_header = request.headers.get("x-stainless-retry-count", "0")
-    retry_count = int(retry_header) if retry_header.isdigit() else 0
+    retry_count = _retry_count(request.headers.get("x-stainless-retry-count", "0"))
     sequence, retry_of = session.take_sequence(digest, retry_count)
     hints = {name: request.headers[name] for name in _HINT_HEADERS if name in request.headers}
     body = raw.decode("utf-8", errors="replace") if keep_body and raw is not None else None
@@ -147,6 +156,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             await engine.aclose()
 
     app = FastAPI(title="rollwire proxy", lifespan=lifespan)
+    # A trailing slash is another path, answered 404 in the provider's shape, not a 307 with an empty body.
+    app.router.redirect_slashes = False
 
     def state_of(request: Request) -> ProxyState:
         return request.app.state.proxy

@@ -218,7 +218,14 @@ class CallService:
                 await deltas.aclose()
             turn = assembler.turn()
             ctx.continuation = _rendered_continuation(placement, session)
-            await self._record_turn(ctx, request, turn)
+            # Once the turn is whole its event is written whatever the client does: shielded, so that a
+            # hang-up during the write neither cancels it nor records the call a second time.
+            recording = asyncio.ensure_future(self._record_turn(ctx, request, turn))
+            self._background.add(recording)
+            recording.add_done_callback(self._background.discard)
+            recording.add_done_callback(_retrieved)
+            outcome = "recording"
+            await asyncio.shield(recording)
             outcome = "recorded"
         except Exception as exc:
             outcome = "failed"
@@ -251,6 +258,12 @@ class CallService:
         turn = await self.whole(ctx, session, request)
         for chunk in renderer.stream_whole(turn):
             yield chunk
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a background task's outcome as seen (its caller, if still there, reports it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _parent(placement: Placement) -> int | None:

@@ -111,7 +111,11 @@ def check_request(request: NormalizedRequest) -> None:
             text = call.arguments
             if not text or text[0] not in "[{":
                 continue
+            where = f"messages.{i}.tool_calls.{j}.arguments"
             try:
-                loads_bounded(text, f"messages.{i}.tool_calls.{j}.arguments")
-            except orjson.JSONDecodeError:
+                loads_bounded(text, where)
+            except orjson.JSONDecodeError as exc:
+                if "depth" in str(exc).lower() or "recursion" in str(exc).lower():  # past orjson's own limit
+                    raise BadRequest(f"JSON nested deeper than {MAX_JSON_DEPTH} levels at {where}: this proxy "
+                                     "refuses such input", param=where) from exc
                 continue
