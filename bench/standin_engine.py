@@ -83,6 +83,7 @@ class StandinConfig:
     max_model_len: int = 262_144
     chunk_tokens: int = 1
     bytes_per_token: int = 1
+    token_api: bool = False  # serve vLLM's token endpoints (bench/standin_tokens.py), as --enable-scale-out does
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -379,11 +380,14 @@ class Standin:
         return deltas
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
+        from bench.standin_tokens import TokenEndpoints
+
+        routes = [
             Route("/v1/models", self.models), Route("/health", self.health),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
-        ])
+        ]
+        return Starlette(routes=routes + (TokenEndpoints(self).routes() if self.config.token_api else []))
 
 
 def create_app(config: StandinConfig | None = None) -> Starlette:
@@ -400,10 +404,11 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=1)
     parser.add_argument("--bytes-per-token", type=int, default=1)
     parser.add_argument("--token-interval-ms", type=float, default=0.0)
+    parser.add_argument("--token-api", action="store_true", help="serve the token endpoints (exact continuation)")
     args = parser.parse_args()
     config = StandinConfig(latency_ms=args.latency_ms, reply_tokens=args.reply_tokens,
                            chunk_tokens=args.chunk_tokens, bytes_per_token=args.bytes_per_token,
-                           token_interval_ms=args.token_interval_ms)
+                           token_interval_ms=args.token_interval_ms, token_api=args.token_api)
     uvicorn.run(create_app(config), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

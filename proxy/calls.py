@@ -12,6 +12,7 @@ reach the engine).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
@@ -106,14 +107,13 @@ class CallService:
             request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
             placement = session.branches.place(request, harness_request)
-            if session.spec.engine.continuation == "exact" and await self.tokens.probe(ctx.served_model):
-                try:
+            wants_exact = session.spec.engine.continuation == "exact"
+            if wants_exact and await self.tokens.probe(ctx.served_model):
+                with contextlib.suppress(TokenApiMissing):
                     turn, placement = await self._exact(ctx, session, request, placement, body)
-                except TokenApiMissing:
-                    placement = replace(placement, kind="open", branch=None, opened="engine_has_no_token_api")
             if turn is None:
                 turn = await self.engine.complete(body)
-                ctx.continuation = _rendered_continuation(placement, session)
+                ctx.continuation = _rendered_continuation(placement, session, wants_exact)
             ctx.first_token_at = utcnow()
             await self._record_turn(ctx, request, turn)
         except Exception as exc:
@@ -217,7 +217,8 @@ class CallService:
             finally:
                 await deltas.aclose()
             turn = assembler.turn()
-            ctx.continuation = _rendered_continuation(placement, session)
+            ctx.continuation = _rendered_continuation(placement, session,
+                                                      session.spec.engine.continuation == "exact")
             # Once the turn is whole its event is written whatever the client does: shielded, so that a
             # hang-up during the write neither cancels it nor records the call a second time.
             recording = asyncio.ensure_future(self._record_turn(ctx, request, turn))
@@ -273,12 +274,13 @@ def _parent(placement: Placement) -> int | None:
     return branch.last_parent if placement.kind == "retry" else branch.last_sequence
 
 
-def _rendered_continuation(placement: Placement, session: LiveSession) -> Continuation:
-    """The event's continuation block for a prompt the chat endpoint rendered whole."""
+def _rendered_continuation(placement: Placement, session: LiveSession, wanted_exact: bool) -> Continuation:
+    """The event's continuation block for a prompt the chat endpoint rendered whole (in an exact-mode
+    session only because the engine has no token endpoints: the event says so)."""
     branch = placement.branch
     return Continuation(mode="rendered", branch=branch.branch_id if branch else session.branches.next_id,
                         role=branch.role if branch else placement.role, parent_sequence=_parent(placement),
-                        opened=placement.opened,
+                        opened="engine_has_no_token_api" if wanted_exact else placement.opened,
                         retry_of_sequence=branch.last_sequence if placement.kind == "retry" and branch else None)
 
 
