@@ -14,11 +14,12 @@ Choices where the Messages API and the internal form differ:
 - **Tool results.** A user message's ``tool_result`` blocks become ``tool`` messages (``tool_call_id`` =
   ``tool_use_id``, ``is_error`` kept; content a string or text blocks) in the order they come; the user's
   other blocks become user messages around them, so the order of the conversation is kept.
-- **Thinking.** The engine's reasoning is sent as a ``thinking`` block whose ``signature`` is
-  ``rwt1.`` + base64 of zlib(UTF-8 text): when Claude Code sends the block back, the reasoning is
-  recovered from the signature exactly as the engine produced it (a client that trims or omits the
+- **Thinking.** The engine's reasoning is sent as a ``thinking`` block whose ``signature`` is the
+  reasoning codec's value (:mod:`proxy.reasoning`): when Claude Code sends the block back, the reasoning
+  is recovered from the signature exactly as the engine produced it (a client that trims or omits the
   text cannot change the prompt). A foreign signature (a real Anthropic one) falls back to the block's
-  ``thinking`` text. ``redacted_thinking`` blocks carry nothing the engine can read and are dropped.
+  ``thinking`` text; a damaged signature of ours, or one over the codec's size limits, is a 400 naming
+  it. ``redacted_thinking`` blocks carry nothing the engine can read and are dropped.
 - **Deferred tools.** A tool with ``defer_loading: true`` is not in the model's context until a tool
   search loads it: it is left out of the prompt unless a ``tool_result`` of the history holds a
   ``tool_reference`` to it (rendered as ``<tool_reference>NAME</tool_reference>`` text).
@@ -32,9 +33,15 @@ Choices where the Messages API and the internal form differ:
   becomes ``reasoning_effort`` (``max`` as ``high``) and ``output_config.format`` a JSON-schema
   ``response_format``. ``tool_choice`` maps to OpenAI's: auto → ``auto``, any → ``required``, tool →
   the named function, none → ``none``.
+- **Content blocks** are objects whose ``type`` is a string (else a 400 naming the block); so are the
+  ids and names the request uses as keys.
 - **Tool-use input** that comes back is serialized with ``json.dumps`` (``", "`` and ``": "``, keys in
   the client's order), the layout in which vLLM's hermes parser hands arguments out: a model that
   samples that layout finds its own bytes in the next prompt.
+- **Sampled arguments** that are not a JSON object, or that nest deeper than
+  :data:`ARGUMENTS_MAX_DEPTH` levels, are sent as ``input: {}`` (and logged): ``input`` must be an object,
+  and a deeper one would come back in the next request's history and be refused there by the proxy's
+  body-depth limit. The completion event keeps the arguments as sampled.
 - **Replies.** ``tool_use`` ids are the engine's tool-call ids (so the next call's ``tool_result``
   names the id in the completion event). ``stop_reason``: ``tool_use`` when the turn called tools,
   ``max_tokens`` on the length limit, else ``end_turn``. The stream always has ``event:`` lines
@@ -45,12 +52,9 @@ Choices where the Messages API and the internal form differ:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
 import uuid
-import zlib
 from typing import Any, Literal
 
 import orjson
@@ -58,7 +62,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
+from proxy.limits import MAX_JSON_DEPTH, json_depth_error
 from proxy.providers import ParsedCall, Route, bad_request, validate_body
+from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -66,7 +72,9 @@ logger = logging.getLogger(__name__)
 _KNOWN_IGNORED = {"metadata", "context_management", "service_tier", "container", "mcp_servers", "betas",
                   "diagnostics"}
 BILLING_PREFIX = "x-anthropic-billing-header:"
-_SIGNATURE_PREFIX = "rwt1."
+ARGUMENTS_MAX_DEPTH = MAX_JSON_DEPTH // 2
+"""Deepest sampled tool arguments sent as ``input``: half the body limit, leaving room for the envelope
+(messages, content, block) the harness wraps them in when it sends them back."""
 
 
 class _Wire(BaseModel):
@@ -74,6 +82,12 @@ class _Wire(BaseModel):
 
 
 # -- wire models ---------------------------------------------------------------------------------------
+
+class BlockHead(_Wire):
+    """Any content block, before its kind is known: an object whose ``type`` is a string."""
+
+    type: str
+
 
 class TextBlock(_Wire):
     type: Literal["text"]
@@ -90,8 +104,13 @@ class ToolUseBlock(_Wire):
 class ToolResultBlock(_Wire):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[Any] | None = None
     is_error: bool | None = None
+
+
+class ToolReferenceBlock(_Wire):
+    type: Literal["tool_reference"]
+    tool_name: str
 
 
 class ThinkingBlock(_Wire):
@@ -102,7 +121,7 @@ class ThinkingBlock(_Wire):
 
 class WireMessage(_Wire):
     role: Literal["user", "assistant", "system"]
-    content: str | list[dict[str, Any]]
+    content: str | list[Any]  # blocks: objects with a string type, checked one by one (_block_type)
 
 
 class WireTool(_Wire):
@@ -135,7 +154,7 @@ class MessagesRequest(_Wire):
 
     model: str | None = None
     messages: list[WireMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
+    system: str | list[Any] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     tools: list[WireTool] | None = None
     tool_choice: ToolChoice | None = None
@@ -156,23 +175,6 @@ def parse_request(document: Any, *, need_max_tokens: bool) -> MessagesRequest:
     return request
 
 
-# -- thinking signatures -------------------------------------------------------------------------------
-
-def thinking_signature(reasoning: str) -> str:
-    """The signature that stands for ``reasoning``: the exact text, compressed and base64-encoded."""
-    return _SIGNATURE_PREFIX + base64.b64encode(zlib.compress(reasoning.encode("utf-8"))).decode("ascii")
-
-
-def reasoning_of(signature: str | None) -> str | None:
-    """The reasoning a signature of ours stands for; None for anything else (e.g. a real Anthropic one)."""
-    if not signature or not signature.startswith(_SIGNATURE_PREFIX):
-        return None
-    try:
-        return zlib.decompress(base64.b64decode(signature[len(_SIGNATURE_PREFIX):], validate=True)).decode("utf-8")
-    except (binascii.Error, zlib.error, UnicodeDecodeError):
-        return None
-
-
 # -- normalization -------------------------------------------------------------------------------------
 
 _NOT_TEXT = {"image", "document", "search_result", "container_upload"}
@@ -185,24 +187,32 @@ def _block(model: type[_Wire], block: dict[str, Any], where: str) -> Any:
         raise bad_request(exc, where) from exc
 
 
-def _refuse(kind: Any, where: str) -> BadRequest:
+def _block_type(block: Any, where: str) -> str:
+    """A content block's ``type``; a 400 naming the block when it is not an object with a string type."""
+    if not isinstance(block, dict):
+        raise BadRequest(f"{where}: a content block must be an object", param=where)
+    return _block(BlockHead, block, where).type
+
+
+def _refuse(kind: str, where: str) -> BadRequest:
     if kind in _NOT_TEXT:
         return BadRequest(f"{where}: {kind} blocks are not supported: this engine takes text only "
                           "(remove the attachment)", param=where)
     return BadRequest(f"{where}: unsupported content block type {kind!r}", param=where)
 
 
-def _text_parts(blocks: list[dict[str, Any]], where: str, *, references: bool = False) -> list[ContentPart]:
+def _text_parts(blocks: list[Any], where: str, *, references: bool = False) -> list[ContentPart]:
     parts = []
     for j, block in enumerate(blocks):
-        if not isinstance(block, dict):
-            raise BadRequest(f"{where}.{j}: a content block must be an object", param=f"{where}.{j}")
-        if references and block.get("type") == "tool_reference" and isinstance(block.get("tool_name"), str):
-            parts.append(ContentPart(type="text", text=f"<tool_reference>{block['tool_name']}</tool_reference>"))
-            continue
-        if block.get("type") != "text":
-            raise _refuse(block.get("type"), f"{where}.{j}")
-        parts.append(ContentPart(type="text", text=_block(TextBlock, block, f"{where}.{j}").text))
+        here = f"{where}.{j}"
+        kind = _block_type(block, here)
+        if references and kind == "tool_reference":
+            name = _block(ToolReferenceBlock, block, here).tool_name
+            parts.append(ContentPart(type="text", text=f"<tool_reference>{name}</tool_reference>"))
+        elif kind == "text":
+            parts.append(ContentPart(type="text", text=_block(TextBlock, block, here).text))
+        else:
+            raise _refuse(kind, here)
     return parts
 
 
@@ -214,12 +224,13 @@ def _referenced_tools(request: MessagesRequest) -> set[str]:
             if not isinstance(block, dict) or block.get("type") != "tool_result":
                 continue
             if isinstance(block.get("content"), list):
-                names.update(part.get("tool_name") for part in block["content"]
-                             if isinstance(part, dict) and part.get("type") == "tool_reference")
+                names.update(part["tool_name"] for part in block["content"]
+                             if isinstance(part, dict) and part.get("type") == "tool_reference"
+                             and isinstance(part.get("tool_name"), str))
     return names
 
 
-def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
+def system_text(system: str | list[Any] | None) -> str | None:
     """The system prompt as one string, without Claude Code's per-request billing line."""
     if system is None or isinstance(system, str):
         return system
@@ -237,7 +248,7 @@ def _tool_result(block: ToolResultBlock, where: str) -> ChatMessage:
                        is_error=block.is_error)
 
 
-def _user_messages(content: list[dict[str, Any]], where: str) -> list[ChatMessage]:
+def _user_messages(content: list[Any], where: str) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     pending: list[ContentPart] = []
 
@@ -248,7 +259,7 @@ def _user_messages(content: list[dict[str, Any]], where: str) -> list[ChatMessag
 
     for j, block in enumerate(content):
         here = f"{where}.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _block_type(block, here)
         if kind == "tool_result":
             flush()
             messages.append(_tool_result(_block(ToolResultBlock, block, here), here))
@@ -266,18 +277,20 @@ def _arguments(value: dict[str, Any] | str | None) -> str:
     return json.dumps(value or {}, ensure_ascii=False)
 
 
-def _assistant_message(content: list[dict[str, Any]], where: str) -> ChatMessage:
+def _assistant_message(content: list[Any], where: str, budget: ReasoningBudget) -> ChatMessage:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[ToolCall] = []
     for j, block in enumerate(content):
         here = f"{where}.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = _block_type(block, here)
         if kind == "text":
             texts.append(_block(TextBlock, block, here).text)
         elif kind == "thinking":
             thinking = _block(ThinkingBlock, block, here)
-            recovered = reasoning_of(thinking.signature)
+            recovered = None
+            if thinking.signature:
+                recovered = decode_reasoning(thinking.signature, param=f"{here}.signature", budget=budget)
             thoughts.append(recovered if recovered is not None else thinking.thinking)
         elif kind == "redacted_thinking":
             continue  # opaque: nothing the engine can read
@@ -297,6 +310,7 @@ def _assistant_message(content: list[dict[str, Any]], where: str) -> ChatMessage
 
 def _messages(request: MessagesRequest) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
+    budget = ReasoningBudget()  # one per request: all its signatures together inflate within REQUEST_LIMIT
     system = system_text(request.system)
     if system is not None:
         messages.append(ChatMessage(role="system", content=system))
@@ -309,7 +323,7 @@ def _messages(request: MessagesRequest) -> list[ChatMessage]:
         elif isinstance(message.content, str):
             messages.append(ChatMessage(role=message.role, content=message.content))
         elif message.role == "assistant":
-            messages.append(_assistant_message(message.content, where))
+            messages.append(_assistant_message(message.content, where, budget))
         else:
             messages.extend(_user_messages(message.content, where))
     return messages
@@ -387,15 +401,29 @@ def _usage(turn: EngineTurn) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A tool call's arguments as the ``input`` object; text that is not a JSON object becomes ``{}``
-    (the event keeps the text as sampled)."""
+def arguments_object(arguments: str) -> dict[str, Any] | None:
+    """The sampled tool-call ``arguments`` as a JSON object, or None when they are not one: not JSON, not
+    an object, or nested deeper than :data:`ARGUMENTS_MAX_DEPTH`. Blank text is the empty object. Never
+    raises. Read with orjson, so the result always serializes again (integers past 64 bits come back
+    as floats; deep text is a decode error, not a RecursionError)."""
+    if not arguments.strip():
+        return {}
     try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        logger.warning("tool call arguments are not a JSON object; sent as {}: %.200s", arguments)
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or json_depth_error(value, ARGUMENTS_MAX_DEPTH) is not None:
+        return None
+    return value
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A tool call's arguments as the ``input`` object; anything :func:`arguments_object` cannot turn
+    into one becomes ``{}`` (the event keeps the text as sampled)."""
+    value = arguments_object(arguments)
+    if value is None:
+        logger.warning("tool call arguments are not a JSON object within %d levels; sent as {}: %.200s",
+                       ARGUMENTS_MAX_DEPTH, arguments)
         return {}
     return value
 
@@ -423,7 +451,7 @@ class MessagesRenderer:
         content: list[dict[str, Any]] = []
         if turn.reasoning:
             content.append({"type": "thinking", "thinking": turn.reasoning if self.show_thinking else "",
-                            "signature": thinking_signature(turn.reasoning)})
+                            "signature": encode_reasoning(turn.reasoning)})
         if turn.content:
             content.append({"type": "text", "text": turn.content})
         for call in turn.tool_calls:
@@ -447,7 +475,7 @@ class MessagesRenderer:
             return []
         chunks = []
         if self._open == "thinking":
-            signature = thinking_signature("".join(self._reasoning))
+            signature = encode_reasoning("".join(self._reasoning))
             chunks.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self._index,
                                                        "delta": {"type": "signature_delta", "signature": signature}}))
             self._reasoning = []

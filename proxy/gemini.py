@@ -12,12 +12,17 @@ Choices where Gemini and the internal form differ:
   harness puts it. Replies carry that same id in ``functionCall.id``. A ``functionResponse`` pairs with a
   still-unanswered call of the model turn before it: by id when the id matches one, else the first one
   with the same name.
-- **Thought signatures.** The engine's reasoning is handed out as ``thoughtSignature`` (base64 of
-  ``rw1`` + zlib of the UTF-8 text) on the first non-thought part after the reasoning and on the first
-  ``functionCall``; when a model turn comes back with it, the reasoning is recovered exactly, so the
-  prompt is rebuilt as the engine produced it. Thought parts (``thought: true``) are sent only when
-  ``thinkingConfig.includeThoughts`` asks for them, as Gemini does; echoed thought text is the fallback
-  when no signature of ours is there. Foreign signatures are ignored.
+- **Thought signatures.** The engine's reasoning is handed out as ``thoughtSignature`` (the reasoning
+  codec's value, :mod:`proxy.reasoning`: plain standard base64, as Google's SDKs require) on the first
+  non-thought part after the reasoning and on the first ``functionCall``; when a model turn comes back
+  with it, the reasoning is recovered exactly, so the prompt is rebuilt as the engine produced it.
+  Thought parts (``thought: true``) are sent only when ``thinkingConfig.includeThoughts`` asks for them,
+  as Gemini does; echoed thought text is the fallback when no signature of ours is there. Foreign
+  signatures are ignored; a damaged one of ours, or one over the codec's size limits, is a 400.
+- **Schemas.** Gemini's schemas (``generationConfig.responseSchema`` and ``responseJsonSchema``, function
+  declarations' ``parameters`` and ``parametersJsonSchema``) may use OpenAPI's upper-case type names
+  (``OBJECT``, ``STRING``, …; Gemini CLI's router does, even in ``responseJsonSchema``); vLLM's
+  structured outputs want JSON Schema's, so all four go through :func:`json_schema` on their way in.
 - **Tool results.** ``functionResponse.response`` becomes a ``tool`` message: the string under
   ``output`` / ``result`` / ``content`` when that is the only key, the string under ``error`` (marked
   ``is_error``), otherwise the object as JSON.
@@ -28,25 +33,27 @@ Choices where Gemini and the internal form differ:
   (``[{…},\\r\\n{…}]``), under the proxy's ``text/event-stream`` content type. Text and thoughts stream
   as the engine produces them; ``functionCall`` parts are sent whole (Gemini never streams partial
   arguments) in the closing chunk, with ``finishReason`` and ``usageMetadata``, after the call is recorded.
+  A sampled call whose arguments are not a JSON object within the depth bound
+  (:func:`proxy.anthropic_messages.arguments_object`) is left out and the candidate's ``finishReason``
+  is ``MALFORMED_FUNCTION_CALL``, Gemini's own answer to such a call.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 import logging
 import uuid
-import zlib
 from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.anthropic_messages import arguments_object
 from proxy.engine import EngineDelta, EngineTurn
 from proxy.errors import BadRequest, ProxyError
 from proxy.providers import ParsedCall, Route, validate_body
+from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -161,29 +168,7 @@ def parse_request(document: Any) -> GenerateContentRequest:
     return request
 
 
-# -- thought signatures and call ids ------------------------------------------------------------------
-
-_SIGNATURE_MAGIC = b"rw1"
-_SIGNATURE_MAX_BYTES = 8 << 20
-
-
-def thought_signature(reasoning: str) -> str:
-    """The signature that stands for ``reasoning`` (standard base64, as Google's SDKs require)."""
-    return base64.b64encode(_SIGNATURE_MAGIC + zlib.compress(reasoning.encode("utf-8"))).decode("ascii")
-
-
-def reasoning_of(signature: str) -> str | None:
-    """The reasoning a signature of ours stands for; None for anything else (e.g. a real Gemini one)."""
-    try:
-        raw = base64.b64decode(signature, validate=True)
-        if not raw.startswith(_SIGNATURE_MAGIC):
-            return None
-        inflater = zlib.decompressobj()
-        text = inflater.decompress(raw[len(_SIGNATURE_MAGIC):], _SIGNATURE_MAX_BYTES)
-        return text.decode("utf-8") if inflater.eof else None
-    except (binascii.Error, ValueError, zlib.error):
-        return None
-
+# -- call ids -----------------------------------------------------------------------------------------
 
 def _call_key(name: str, args: dict[str, Any]) -> str:
     canonical = json.dumps([name, args], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -270,7 +255,7 @@ def _pair(response: FunctionResponse, pending: list[ToolCall]) -> ToolCall | Non
     return match
 
 
-def _model_message(content: Content, i: int, ids: _CallIds) -> ChatMessage:
+def _model_message(content: Content, i: int, ids: _CallIds, budget: ReasoningBudget) -> ChatMessage:
     texts: list[str] = []
     thoughts: list[str] = []
     recovered: str | None = None
@@ -278,7 +263,9 @@ def _model_message(content: Content, i: int, ids: _CallIds) -> ChatMessage:
     for j, part in enumerate(content.parts):
         if part.thoughtSignature:
             # The last one of ours wins: in a stream, the functionCall's signature covers all the reasoning.
-            recovered = reasoning_of(part.thoughtSignature) or recovered
+            mine = decode_reasoning(part.thoughtSignature, param=f"contents.{i}.parts.{j}.thoughtSignature",
+                                    budget=budget)
+            recovered = mine if mine is not None else recovered
         if part.functionCall is not None:
             call = part.functionCall
             args = call.args or {}
@@ -301,30 +288,64 @@ def _system_message(instruction: Content) -> ChatMessage:
     return ChatMessage(role="system", content=text)
 
 
-_SCHEMA_DROPPED = {"propertyOrdering", "example"}
+# OpenAPI-only keywords Gemini accepts that JSON Schema does not have (``nullable`` is folded into ``type``).
+_SCHEMA_DROPPED = {"propertyOrdering", "example", "nullable"}
+# Keywords whose value is a schema or a list of schemas ...
+_SUBSCHEMAS = {"items", "prefixItems", "additionalItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+               "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains", "propertyNames"}
+# ... and those whose value maps names to schemas.
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_UNSPECIFIED_TYPE = "type_unspecified"
+
+
+def _json_type(value: Any) -> Any:
+    """A ``type`` value with JSON Schema's lower-case names: a name, or a list of them; TYPE_UNSPECIFIED
+    (no constraint) becomes None. Values of other shapes are left for the engine to judge."""
+    if isinstance(value, str):
+        name = value.lower()
+        return None if name == _UNSPECIFIED_TYPE else name
+    if isinstance(value, list):
+        names = [v.lower() if isinstance(v, str) else v for v in value]
+        names = [n for n in names if n != _UNSPECIFIED_TYPE]
+        return names or None
+    return value
 
 
 def json_schema(schema: Any) -> Any:
-    """Gemini's OpenAPI-subset schema (uppercase ``type``, ``nullable``) as JSON Schema."""
+    """A Gemini schema as JSON Schema, for vLLM's structured outputs and tool parameters.
+
+    Gemini's OpenAPI subset (``responseSchema``, ``parameters``) and the JSON Schema fields
+    (``responseJsonSchema``, ``parametersJsonSchema``) both may carry upper-case type names (``OBJECT``,
+    ``STRING``, ``ARRAY``, ``INTEGER``, ``NUMBER``, ``BOOLEAN``, ``NULL``; ``TYPE_UNSPECIFIED`` means
+    none): every ``type`` of the document, through ``properties``, ``items``, ``anyOf``, ``prefixItems``,
+    ``$defs`` and the other subschema keywords, is lower-cased; ``nullable: true`` adds ``"null"`` to the
+    type; ``propertyOrdering`` and ``example`` are dropped. Values of ``enum``, ``const``, ``default`` and
+    the like are left alone. The caller's document is not modified (a new one is built).
+    """
     if isinstance(schema, list):
         return [json_schema(s) for s in schema]
     if not isinstance(schema, dict):
-        return schema
+        return schema  # true/false schemas, or something for the engine to refuse
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_DROPPED:
             continue
-        if key == "type" and isinstance(value, str):
-            if value.upper() != "TYPE_UNSPECIFIED":
-                out["type"] = value.lower()
-        elif key == "properties" and isinstance(value, dict):
+        if key == "type":
+            kind = _json_type(value)
+            if kind is not None:
+                out["type"] = kind
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: json_schema(sub) for name, sub in value.items()}
-        elif key in ("items", "anyOf", "oneOf", "allOf", "not", "additionalProperties"):
+        elif key in _SUBSCHEMAS:
             out[key] = json_schema(value)
-        elif key != "nullable":
+        else:
             out[key] = value
-    if schema.get("nullable") is True and isinstance(out.get("type"), str):
-        out["type"] = [out["type"], "null"]
+    if schema.get("nullable") is True:
+        kind = out.get("type")
+        if isinstance(kind, str) and kind != "null":
+            out["type"] = [kind, "null"]
+        elif isinstance(kind, list) and "null" not in kind:
+            out["type"] = [*kind, "null"]
     return out
 
 
@@ -335,15 +356,11 @@ def _tools(request: GenerateContentRequest) -> list[ToolDefinition]:
         if hosted:
             logger.info("gemini hosted tools dropped (the engine cannot run them): %s", hosted)
         for j, declaration in enumerate(tool.functionDeclarations or ()):
-            if declaration.parametersJsonSchema is not None:
-                parameters = declaration.parametersJsonSchema
-            elif declaration.parameters is not None:
-                parameters = json_schema(declaration.parameters)
-            else:
-                parameters = None
+            field = "parametersJsonSchema" if declaration.parametersJsonSchema is not None else "parameters"
+            parameters = json_schema(getattr(declaration, field))
             if parameters is not None and parameters.get("type", "object") != "object":
                 raise BadRequest(f"function {declaration.name!r}: parameters must describe an object",
-                                 param=f"tools.{i}.functionDeclarations.{j}.parameters")
+                                 param=f"tools.{i}.functionDeclarations.{j}.{field}")
             tools.append(ToolDefinition(name=declaration.name, description=declaration.description,
                                         parameters=parameters))
     return tools
@@ -366,7 +383,7 @@ def _tool_choice(config: ToolConfig | None) -> str | dict[str, Any] | None:
 def _response_format(config: GenerationConfig) -> dict[str, Any] | None:
     if config.responseMimeType != "application/json":
         return None
-    schema = config.responseJsonSchema or (json_schema(config.responseSchema) if config.responseSchema else None)
+    schema = json_schema(config.responseJsonSchema or config.responseSchema or None)
     if schema is None:
         return {"type": "json_object"}
     return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
@@ -382,10 +399,11 @@ def normalize(request: GenerateContentRequest, stream: bool) -> NormalizedReques
     if request.systemInstruction is not None:
         messages.append(_system_message(request.systemInstruction))
     ids, orphans = _CallIds(), _CallIds()
+    budget = ReasoningBudget()  # one per request: all its signatures together inflate within REQUEST_LIMIT
     pending: list[ToolCall] = []
     for i, content in enumerate(request.contents):
         if content.role == "model":
-            message = _model_message(content, i, ids)
+            message = _model_message(content, i, ids, budget)
             pending = list(message.tool_calls)
             messages.append(message)
         else:
@@ -449,7 +467,7 @@ class GeminiRenderer:
 
     # parts ---------------------------------------------------------------------------------------------
     def _signature(self) -> str | None:
-        return thought_signature("".join(self._reasoning)) if self._reasoning else None
+        return encode_reasoning("".join(self._reasoning)) if self._reasoning else None
 
     def _text_part(self, text: str) -> dict[str, Any]:
         part: dict[str, Any] = {"text": text}
@@ -462,13 +480,10 @@ class GeminiRenderer:
         parts, malformed = [], False
         signature = self._signature()
         for call in turn.tool_calls:
-            try:
-                args = json.loads(call.arguments or "{}")
-            except ValueError:
-                args = None
-            if not isinstance(args, dict):
-                logger.warning("engine tool call %s has arguments that are not a JSON object: %.200s",
-                               call.name, call.arguments)
+            args = arguments_object(call.arguments)
+            if args is None:
+                logger.warning("engine tool call %s has arguments that are not a JSON object within the depth "
+                               "bound: %.200s", call.name, call.arguments)
                 malformed = True
                 continue
             part: dict[str, Any] = {"functionCall": {"name": call.name, "args": args,

@@ -9,10 +9,13 @@ Requests: ``input`` is a string or a list of items. Items map into the internal 
   engine produced them, so that the next prompt extends the previous prompt + sampled tokens by prefix.
 - ``function_call_output`` / ``custom_tool_call_output`` become tool messages.
 - ``reasoning`` items carry the reasoning text back in ``encrypted_content``: this proxy makes that value
-  itself (:func:`encode_reasoning`, an opaque, checksummed encoding of the text; nothing is stored) and
-  decodes it to exactly the text the engine sampled. A value it did not make (a conversation begun on
-  another server) cannot be read: the item's ``reasoning_text`` content is used if present, else the
-  reasoning is dropped and logged.
+  itself (the reasoning codec, :mod:`proxy.reasoning`: an opaque, checksummed, compressed encoding of the
+  text; nothing is stored) and decodes it to exactly the text the engine sampled. A value it did not
+  make (a conversation begun on another server) cannot be read: the item's ``reasoning_text`` content is
+  used if present, else the reasoning is dropped and logged. A damaged value of ours, or one over the
+  codec's size limits, is a 400 naming ``input.N.encrypted_content``.
+- Every item is an object; its ``type`` (and a message's ``role``, a call's ``call_id``, ``name`` and
+  ``namespace``) must be strings, checked by small per-kind pydantic models: a 400 names the field.
 - Items of hosted tools (``web_search_call``, ``tool_search_call``/``_output``, ``file_search_call``, …)
   and server-side ``compaction`` items are dropped and logged: the engine never produced them.
 
@@ -23,8 +26,9 @@ Tools:
   engine as a function taking one string argument ``{"input": string}`` (``ToolDefinition.kind="custom"``,
   the grammar kept in the event). The model's call comes back as a ``custom_tool_call`` whose ``input``
   is that string; a ``custom_tool_call`` in the history normalizes back to the same arguments JSON.
-- ``namespace`` tools are flattened: each nested function is offered as ``{namespace}__{name}`` and the
-  model's call is mapped back to ``name`` + ``namespace``.
+- ``namespace`` tools are flattened: each nested function (``type: "function"`` and a string ``name``,
+  both required) is offered as ``{namespace}__{name}`` and the model's call is mapped back to ``name`` +
+  ``namespace``.
 - Hosted tools the engine cannot run (``web_search``, ``tool_search``, ``file_search``, ``code_interpreter``,
   ``image_generation``, ``computer_use``, ``mcp``, ``local_shell``, …) are DROPPED from what the engine
   sees (logged at INFO). The decision: a harness like Codex always offers ``web_search``; refusing the
@@ -52,22 +56,21 @@ inputs are known only once the call's arguments are complete, so their delta/don
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
 from proxy.openai_chat import error_body as openai_error_body
-from proxy.providers import ParsedCall, Route, validate_body
+from proxy.providers import ParsedCall, Route, bad_request, validate_body
+from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
 from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -91,13 +94,82 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+WireT = TypeVar("WireT", bound=_Wire)
+
+
 class WireTool(_Wire):
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     format: dict[str, Any] | None = None  # custom tools: {"type": "grammar", "syntax": ..., "definition": ...}
-    tools: list[dict[str, Any]] | None = None  # namespace tools: nested function tools
+    tools: list[dict[str, Any]] | None = None  # namespace tools: nested function tools (NamespacedFunction)
+
+
+class NamespacedFunction(_Wire):
+    """A function tool inside a ``namespace`` tool."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolChoiceObject(_Wire):
+    """``tool_choice`` as an object: a named function or custom tool, allowed_tools, or a hosted tool."""
+
+    type: str
+    name: str | None = None
+    namespace: str | None = None
+    mode: str | None = None
+
+
+# -- input items, one small model per kind: what the normalizer reads of them, with types checked --------
+
+class ItemHead(_Wire):
+    """Any input item, before its kind is known (a message may leave ``type`` out)."""
+
+    type: str | None = None
+
+
+class MessageItem(_Wire):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Any = None
+
+
+class ReasoningItem(_Wire):
+    id: str | None = None
+    encrypted_content: str | None = None
+    content: Any = None
+
+
+class FunctionCallItem(_Wire):
+    call_id: str
+    name: str
+    arguments: Any = ""
+    namespace: str | None = None
+
+
+class CustomToolCallItem(_Wire):
+    call_id: str
+    name: str
+    input: str
+
+
+class ToolOutputItem(_Wire):
+    call_id: str
+    output: Any
+
+
+class PartHead(_Wire):
+    """Any content part, before its kind is known."""
+
+    type: str
+
+
+class InputImagePart(_Wire):
+    image_url: str | None = None
+    file_id: str | None = None
 
 
 class WireReasoning(_Wire):
@@ -109,7 +181,7 @@ class ResponsesRequest(_Wire):
     """POST /v1/responses, as far as we read it."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]
     instructions: str | None = None
     tools: list[WireTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -135,30 +207,14 @@ def parse_request(document: Any) -> ResponsesRequest:
     return request
 
 
-# -- reasoning round trip ---------------------------------------------------------------------------
-
-_REASONING_PREFIX = "rwr1."
-
-
-def encode_reasoning(text: str) -> str:
-    """An opaque ``encrypted_content`` that :func:`decode_reasoning` turns back into exactly ``text``."""
-    data = text.encode("utf-8")
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    return _REASONING_PREFIX + base64.urlsafe_b64encode(data).decode("ascii") + "." + digest
-
-
-def decode_reasoning(value: str) -> str | None:
-    """The reasoning text of an ``encrypted_content`` this proxy made; None for someone else's."""
-    if not value.startswith(_REASONING_PREFIX):
-        return None
-    body, _, digest = value[len(_REASONING_PREFIX):].rpartition(".")
+def _validated(model: type[WireT], value: Any, where: str) -> WireT:
+    """``value`` (one item, part or object of the request) as ``model``; a 400 names the field at ``where``."""
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where} must be an object", param=where)
     try:
-        data = base64.urlsafe_b64decode(body.encode("ascii"))
-    except (ValueError, UnicodeEncodeError) as exc:
-        raise BadRequest("reasoning encrypted_content is damaged (not our encoding)") from exc
-    if hashlib.sha256(data).hexdigest()[:16] != digest:
-        raise BadRequest("reasoning encrypted_content is damaged (checksum mismatch)")
-    return data.decode("utf-8")
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise bad_request(exc, where) from exc
 
 
 # -- tools --------------------------------------------------------------------------------------------
@@ -199,8 +255,7 @@ def _custom_parameters(grammar: dict[str, Any] | None) -> dict[str, Any]:
             "required": [CUSTOM_INPUT]}
 
 
-def _function_tool(raw: dict[str, Any] | WireTool, where: str) -> tuple[str, str | None, dict[str, Any] | None]:
-    tool = raw if isinstance(raw, WireTool) else WireTool.model_validate(raw)
+def _function_tool(tool: WireTool | NamespacedFunction, where: str) -> tuple[str, str | None, dict[str, Any] | None]:
     if not tool.name:
         raise BadRequest("a function tool needs a name", param=f"{where}.name")
     return tool.name, tool.description, tool.parameters
@@ -224,10 +279,8 @@ def build_tools(tools: list[WireTool] | None) -> ToolMap:
         elif tool.type == "namespace":
             if not tool.name:
                 raise BadRequest("a namespace tool needs a name", param=f"{where}.name")
-            for j, nested in enumerate(tool.tools or ()):
-                if nested.get("type", "function") != "function":
-                    raise BadRequest(f"namespace {tool.name!r} holds a {nested.get('type')!r} tool; only functions "
-                                     "are supported there", param=f"{where}.tools.{j}.type")
+            for j, raw in enumerate(tool.tools or ()):
+                nested = _validated(NamespacedFunction, raw, f"{where}.tools.{j}")
                 name, description, parameters = _function_tool(nested, f"{where}.tools.{j}")
                 flat = f"{tool.name}{NAMESPACE_SEPARATOR}{name}"
                 out.add(ToolDefinition(name=flat, description=description, parameters=parameters),
@@ -252,40 +305,42 @@ def _tool_choice(choice: str | dict[str, Any] | None, tools: ToolMap) -> str | d
         if choice not in (None, "auto", "none", "required"):
             raise BadRequest(f"unsupported tool_choice {choice!r}", param="tool_choice")
         return choice
-    kind = choice.get("type")
+    named = _validated(ToolChoiceObject, choice, "tool_choice")
+    kind = named.type
     if kind in ("function", "custom"):
-        name = choice.get("name")
-        if not isinstance(name, str):
+        if named.name is None:
             raise BadRequest("tool_choice needs a name", param="tool_choice.name")
-        engine_name = _engine_name(name, choice.get("namespace"))
+        engine_name = _engine_name(named.name, named.namespace)
         if engine_name not in tools.targets:
-            raise BadRequest(f"tool_choice names a tool that is not offered: {name!r}", param="tool_choice.name")
+            raise BadRequest(f"tool_choice names a tool that is not offered: {named.name!r}",
+                             param="tool_choice.name")
         return {"type": "function", "function": {"name": engine_name}}
     if kind == "allowed_tools":
         logger.debug("tool_choice allowed_tools: the tool list is not narrowed, mode kept")
-        return "required" if choice.get("mode") == "required" else "auto"
+        return "required" if named.mode == "required" else "auto"
     raise BadRequest(f"tool_choice {kind!r} names a tool the engine cannot run", param="tool_choice")
 
 
 # -- input items ----------------------------------------------------------------------------------------
 
 
-def _text_of_part(part: dict[str, Any], where: str) -> ContentPart:
-    kind = part.get("type")
+def _text_of_part(part: Any, where: str) -> ContentPart:
+    kind = _validated(PartHead, part, where).type
     if kind in ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"):
         text = part.get("text") if kind != "refusal" else part.get("refusal")
         if not isinstance(text, str):
             raise BadRequest(f"a {kind} part needs a string", param=where)
         return ContentPart(type="text", text=text)
     if kind == "input_image":
-        return ContentPart(type="image", data=part.get("image_url") or part.get("file_id"))
+        image = _validated(InputImagePart, part, where)
+        return ContentPart(type="image", data=image.image_url or image.file_id)
     raise BadRequest(f"unsupported content part type {kind!r}", param=f"{where}.type")
 
 
 def _parts(content: Any, where: str) -> list[ContentPart]:
     if not isinstance(content, list):
         raise BadRequest("content must be a string or a list of parts", param=where)
-    return [_text_of_part(p if isinstance(p, dict) else {}, f"{where}.{i}") for i, p in enumerate(content)]
+    return [_text_of_part(p, f"{where}.{i}") for i, p in enumerate(content)]
 
 
 def _joined_text(parts: list[ContentPart], where: str) -> str:
@@ -301,19 +356,19 @@ def _output_content(output: Any, where: str) -> str | list[ContentPart]:
     return _parts(output, where)
 
 
-def _reasoning_text(item: dict[str, Any]) -> str | None:
-    encrypted = item.get("encrypted_content")
-    if isinstance(encrypted, str) and encrypted:
-        text = decode_reasoning(encrypted)
+def _reasoning_text(item: ReasoningItem, where: str, budget: ReasoningBudget) -> str | None:
+    encrypted = item.encrypted_content
+    if encrypted:
+        text = decode_reasoning(encrypted, param=f"{where}.encrypted_content", budget=budget)
         if text is not None:
             return text
-    content = item.get("content")
+    content = item.content
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "reasoning_text"]
         if texts and all(isinstance(t, str) for t in texts):
             return "".join(texts)
     if encrypted:
-        logger.info("reasoning item %s: encrypted_content not made by this proxy, reasoning dropped", item.get("id"))
+        logger.info("reasoning item %s: encrypted_content not made by this proxy, reasoning dropped", item.id)
     return None
 
 
@@ -326,8 +381,8 @@ def custom_input(arguments: str) -> str:
     """The freeform input from the arguments the model sampled for a custom tool: its ``input`` string, or
     the one string value it gave, else the arguments text itself."""
     try:
-        value = json.loads(arguments)
-    except ValueError:
+        value = orjson.loads(arguments)  # orjson: deep nesting is a decode error, never a RecursionError
+    except orjson.JSONDecodeError:
         return arguments
     if isinstance(value, str):
         return value
@@ -346,6 +401,7 @@ class _Builder:
     def __init__(self, tools: ToolMap) -> None:
         self.tools = tools
         self.messages: list[dict[str, Any]] = []
+        self.budget = ReasoningBudget()  # one per request: its encrypted_content values inflate within the limit
 
     def _open_assistant(self, *, reasoning: bool = False, content: bool = False) -> dict[str, Any]:
         last = self.messages[-1] if self.messages and self.messages[-1]["role"] == "assistant" else None
@@ -359,59 +415,43 @@ class _Builder:
         self.messages.append(message)
         return message
 
-    def add(self, item: dict[str, Any], where: str) -> None:
-        kind = item.get("type") or ("message" if "role" in item else None)
+    def add(self, item: Any, where: str) -> None:
+        head = _validated(ItemHead, item, where)
+        kind = head.type or ("message" if "role" in item else None)
         if kind == "message":
-            self._message(item, where)
+            self._message(_validated(MessageItem, item, where), where)
         elif kind == "reasoning":
-            text = _reasoning_text(item)
+            text = _reasoning_text(_validated(ReasoningItem, item, where), where, self.budget)
             if text is not None:
                 self._open_assistant(reasoning=True)["reasoning"] = text
-        elif kind in ("function_call", "custom_tool_call"):
-            self._call(item, kind, where)
+        elif kind == "function_call":
+            call = _validated(FunctionCallItem, item, where)
+            arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments,
+                                                                                           ensure_ascii=False)
+            flat = _engine_name(call.name, call.namespace)
+            self._open_assistant()["tool_calls"].append(ToolCall(id=call.call_id, name=flat, arguments=arguments))
+        elif kind == "custom_tool_call":
+            custom = _validated(CustomToolCallItem, item, where)
+            self._open_assistant()["tool_calls"].append(ToolCall(id=custom.call_id, name=custom.name, kind="custom",
+                                                                 arguments=custom_arguments(custom.input)))
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise BadRequest(f"a {kind} item needs call_id", param=f"{where}.call_id")
-            if "output" not in item:
-                raise BadRequest(f"a {kind} item needs output", param=f"{where}.output")
-            self.messages.append({"role": "tool", "content": _output_content(item["output"], f"{where}.output"),
-                                  "tool_call_id": call_id})
+            output = _validated(ToolOutputItem, item, where)
+            self.messages.append({"role": "tool", "content": _output_content(output.output, f"{where}.output"),
+                                  "tool_call_id": output.call_id})
         elif kind in _DROPPED_ITEMS:
             logger.info("input item of type %s dropped (hosted tool or server state)", kind)
         else:
             raise BadRequest(f"unsupported input item type {kind!r}", param=f"{where}.type")
 
-    def _message(self, item: dict[str, Any], where: str) -> None:
-        role = item.get("role")
-        if role not in ("user", "system", "developer", "assistant"):
-            raise BadRequest(f"unsupported message role {role!r}", param=f"{where}.role")
-        content = item.get("content")
-        if role == "assistant":
+    def _message(self, item: MessageItem, where: str) -> None:
+        content = item.content
+        if item.role == "assistant":
             text = content if isinstance(content, str) else _joined_text(_parts(content, f"{where}.content"),
                                                                         f"{where}.content")
             self._open_assistant(content=True)["content"] = text
             return
         value = content if isinstance(content, str) else _parts(content, f"{where}.content")
-        self.messages.append({"role": role, "content": value})
-
-    def _call(self, item: dict[str, Any], kind: str, where: str) -> None:
-        call_id, name = item.get("call_id"), item.get("name")
-        if not isinstance(call_id, str) or not isinstance(name, str):
-            raise BadRequest(f"a {kind} item needs call_id and name", param=where)
-        if kind == "custom_tool_call":
-            text = item.get("input")
-            if not isinstance(text, str):
-                raise BadRequest("a custom_tool_call item needs input (a string)", param=f"{where}.input")
-            call = ToolCall(id=call_id, name=name, arguments=custom_arguments(text), kind="custom")
-        else:
-            arguments = item.get("arguments", "")
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            namespace = item.get("namespace")
-            flat = _engine_name(name, namespace if isinstance(namespace, str) else None)
-            call = ToolCall(id=call_id, name=flat, arguments=arguments)
-        self._open_assistant()["tool_calls"].append(call)
+        self.messages.append({"role": item.role, "content": value})
 
     def result(self) -> list[ChatMessage]:
         return [ChatMessage(**m) for m in self.messages]
@@ -427,8 +467,6 @@ def normalize(request: ResponsesRequest) -> tuple[NormalizedRequest, ToolMap]:
         builder.messages.append({"role": "user", "content": request.input})
     else:
         for i, item in enumerate(request.input):
-            if not isinstance(item, dict):
-                raise BadRequest("input items must be objects", param=f"input.{i}")
             builder.add(item, f"input.{i}")
     effort = request.reasoning.effort if request.reasoning else None
     if effort is not None and effort not in _EFFORTS and effort != "none":

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from bench.standin_engine import render_prompt, tokenize
-from proxy.anthropic_messages import MessagesApi, MessagesRenderer, error_body, parse_request, thinking_signature
+from proxy.anthropic_messages import MessagesApi, MessagesRenderer, error_body, parse_request
+from proxy.reasoning import encode_reasoning
 from proxy.engine import EngineTurn, engine_body
 from proxy.errors import (
     BadRequest,
@@ -236,7 +237,7 @@ async def test_forced_tool_use_round_trip(proxy: ProxyUnderTest, stream: bool) -
 
 async def test_thinking_signature_restores_the_exact_reasoning(proxy: ProxyUnderTest) -> None:
     reasoning = "  The user wants files.\nI will list them.  "
-    signature = thinking_signature(reasoning)
+    signature = encode_reasoning(reasoning)
     history = MESSAGES + [
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": signature},
                                           {"type": "text", "text": "Here they are."}]},

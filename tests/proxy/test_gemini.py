@@ -13,7 +13,8 @@ from proxy.engine import EngineTurn, engine_body
 from proxy import errors
 from proxy.engine import EngineDelta
 from proxy.errors import BadRequest
-from proxy.gemini import GeminiApi, GeminiRenderer, error_body, json_schema, reasoning_of, thought_signature
+from proxy.gemini import GeminiApi, GeminiRenderer, error_body, json_schema
+from proxy.reasoning import decode_reasoning, encode_reasoning
 from proxy.providers import Route
 from schemas.completions import ToolCall, Usage
 from tests.proxy.conftest import ProxyUnderTest
@@ -67,11 +68,11 @@ def test_parameters_json_schema_is_taken_as_is_and_parameters_converted() -> Non
 
 def test_thought_signature_stands_for_the_reasoning() -> None:
     reasoning = "The user wants files listed. Ünïcode too: 日本."
-    signature = thought_signature(reasoning)
+    signature = encode_reasoning(reasoning)
     assert len(signature) % 4 == 0 and signature.isascii()  # Pi keeps only valid standard base64
-    assert reasoning_of(signature) == reasoning
-    assert reasoning_of("c29tZSByZWFsIGdlbWluaSBzaWduYXR1cmU=") is None  # someone else's: ignored
-    assert reasoning_of("not base64!") is None
+    assert decode_reasoning(signature, param="thoughtSignature") == reasoning
+    assert decode_reasoning("c29tZSByZWFsIGdlbWluaSBzaWduYXR1cmU=", param="s") is None  # someone else's: ignored
+    assert decode_reasoning("not base64!", param="s") is None
 
 
 @pytest.mark.parametrize("include_thoughts", [False, True])
@@ -304,7 +305,7 @@ async def test_forced_function_call_round_trip(proxy: ProxyUnderTest, stream: bo
 @pytest.mark.kafka
 async def test_returned_signature_restores_the_reasoning(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session()
-    signed = {"text": "I will look.", "thoughtSignature": thought_signature("hmm")}
+    signed = {"text": "I will look.", "thoughtSignature": encode_reasoning("hmm")}
     contents = [USER, {"role": "model", "parts": [signed]},
                 {"role": "user", "parts": [{"text": "go on"}]}]
     response = httpx.post(gemini_url(session), json={"contents": contents}, timeout=30)

@@ -18,12 +18,11 @@ from proxy.openai_responses import (
     ResponsesApi,
     ResponsesRenderer,
     custom_arguments,
-    decode_reasoning,
-    encode_reasoning,
     normalize,
     parse_request,
 )
 from proxy.providers import Route
+from proxy.reasoning import decode_reasoning, encode_reasoning
 from schemas.completions import ToolCall, Usage
 from tests.proxy.conftest import ProxyUnderTest
 
@@ -267,7 +266,8 @@ BAD_REQUESTS = [
      "input.0.content.0.type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]}, "input.0.input"),
-    ({"input": [{"type": "reasoning", "encrypted_content": "rwr1.AAAA.0000000000000000"}]}, None),
+    ({"input": [{"type": "reasoning", "encrypted_content": "rwr1.AAAA.0000000000000000"}]},
+     "input.0.encrypted_content"),
     ({"input": "hi", "tools": [{"type": "teleport"}]}, "tools.0.type"),
     ({"input": "hi", "tools": [SHELL, SHELL]}, "tools.1"),
     ({"input": "hi", "tools": [SHELL, *HOSTED], "tool_choice": {"type": "web_search"}}, "tool_choice"),
@@ -325,7 +325,7 @@ def test_reasoning_encrypted_content_round_trips_to_the_same_text() -> None:
                              ToolCall(id="call_b", name="exec_command", arguments='{"cmd": "ls"}')])
     output = ResponsesRenderer(wire, tools).response(turn)["output"]
     assert [o["type"] for o in output] == ["reasoning", "message", "custom_tool_call", "function_call"]
-    assert decode_reasoning(output[0]["encrypted_content"]) == thought
+    assert decode_reasoning(output[0]["encrypted_content"], param="x") == thought
     assert output[2]["input"] == PATCH
     # Echoed back, the items fold into the one assistant turn the engine produced.
     history = [*INPUT, *output, {"type": "custom_tool_call_output", "call_id": "call_a", "output": "done"},
@@ -368,7 +368,7 @@ def test_streamed_reasoning_text_and_calls_follow_the_event_grammar() -> None:
     events = sse_events(b"".join(chunks + renderer.stream_finish(turn)).decode())
     final = assert_well_formed(events)
     reasoning, message, patch, spawn = final["output"]
-    assert decode_reasoning(reasoning["encrypted_content"]) == "Hmm, a patch."
+    assert decode_reasoning(reasoning["encrypted_content"], param="x") == "Hmm, a patch."
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Hmm, a patch."}]
     assert message["content"][0]["text"] == "Doing it."
     assert (patch["type"], patch["input"], patch["call_id"]) == ("custom_tool_call", PATCH, "call_1")
@@ -398,7 +398,7 @@ def test_tool_choice_and_effort_map_to_the_engine_form() -> None:
     assert request.tool_choice == {"type": "function", "function": {"name": "agents__spawn"}}
     assert request.reasoning_effort is None
     with pytest.raises(BadRequest):
-        decode_reasoning(encode_reasoning("abc")[:-1] + "0")
+        decode_reasoning(encode_reasoning("abc")[:-1] + "0", param="x")
 
 
 # -- what the real Codex CLI sends ---------------------------------------------------------------------------
