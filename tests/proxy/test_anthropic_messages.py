@@ -117,6 +117,7 @@ def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
 
 def post(session: dict[str, Any], document: dict[str, Any] | bytes, **headers: str) -> httpx.Response:
     url = f"{session['base_urls']['anthropic']}/v1/messages?beta=true"
+    headers = {"x-api-key": session["api_key"], **headers}
     if isinstance(document, bytes):
         return httpx.post(url, content=document, headers={"content-type": "application/json", **headers}, timeout=30)
     return httpx.post(url, json=document, headers=headers, timeout=30)
@@ -130,7 +131,8 @@ def prompt_ids_for(event: Any) -> list[int]:
 
 async def test_unknown_session_is_refused_in_anthropic_shape(proxy: ProxyUnderTest) -> None:
     document = body()
-    by_path = httpx.post(f"{proxy.url}/s/no-such-session/v1/messages", json=document)
+    by_path = httpx.post(f"{proxy.url}/s/no-such-session/v1/messages", json=document,
+                         headers={"x-api-key": "some-key-123"})
     by_key = httpx.post(f"{proxy.url}/v1/messages", json=document, headers={"x-api-key": "nope-nope"})
     no_key = httpx.post(f"{proxy.url}/v1/messages", json=document)
     for response in (by_path, by_key, no_key):
@@ -293,14 +295,16 @@ async def test_count_tokens_counts_what_a_call_would_send(proxy: ProxyUnderTest)
     session = proxy.new_session()
     document = body(tools=TOOLS, **CLAUDE_CODE_EXTRAS)
     counted = httpx.post(f"{session['base_urls']['anthropic']}/v1/messages/count_tokens?beta=true",
-                         json={k: v for k, v in document.items() if k != "max_tokens"}, timeout=30)
+                         json={k: v for k, v in document.items() if k != "max_tokens"}, timeout=30,
+                         headers={"x-api-key": session["api_key"]})
     assert counted.status_code == 200, counted.text
     assert post(session, document).status_code == 200
     [event] = await proxy.completions(1)
     assert counted.json() == {"input_tokens": len(event.prompt_token_ids)}
     refused = httpx.post(f"{proxy.url}/v1/messages/count_tokens", json=document, headers={"x-api-key": "nope"})
     anthropic_error(refused, 401, "authentication_error")
-    bad = httpx.post(f"{session['base_urls']['anthropic']}/v1/messages/count_tokens", json={"messages": []})
+    bad = httpx.post(f"{session['base_urls']['anthropic']}/v1/messages/count_tokens", json={"messages": []},
+                     headers={"x-api-key": session["api_key"]})
     anthropic_error(bad, 400, "invalid_request_error")
 
 

@@ -201,7 +201,7 @@ def test_stream_without_alt_sse_is_one_json_array() -> None:
 @pytest.mark.kafka
 async def test_whole_reply_is_captured_token_for_token(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session(session_id="gemini-whole")
-    response = httpx.post(gemini_url(session), timeout=30, json={
+    response = httpx.post(gemini_url(session), timeout=30, headers={"x-goog-api-key": session["api_key"]}, json={
         "contents": [USER], "systemInstruction": SYSTEM, "generationConfig": {"maxOutputTokens": 8}})
     assert response.status_code == 200, response.text
     reply = response.json()
@@ -224,7 +224,7 @@ async def test_whole_reply_is_captured_token_for_token(proxy: ProxyUnderTest) ->
 @pytest.mark.kafka
 async def test_sse_stream_reassembles_to_the_recorded_tokens(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session()
-    with httpx.stream("POST", gemini_url(session, "streamGenerateContent") + "?alt=sse", timeout=30,
+    with httpx.stream("POST", gemini_url(session, "streamGenerateContent") + "?alt=sse", timeout=30, headers={"x-goog-api-key": session["api_key"]},
                       json={"contents": [USER]}) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -243,7 +243,7 @@ async def test_sse_stream_reassembles_to_the_recorded_tokens(proxy: ProxyUnderTe
 @pytest.mark.kafka
 async def test_stream_without_alt_sse_is_a_json_array(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session()
-    response = httpx.post(gemini_url(session, "streamGenerateContent"), json={"contents": [USER]}, timeout=30)
+    response = httpx.post(gemini_url(session, "streamGenerateContent"), json={"contents": [USER]}, timeout=30, headers={"x-goog-api-key": session["api_key"]})
     assert response.status_code == 200, response.text
     documents = json.loads(response.content)
     assert documents[-1]["candidates"][0]["finishReason"] and documents[-1]["usageMetadata"]["totalTokenCount"]
@@ -275,7 +275,7 @@ async def test_forced_function_call_round_trip(proxy: ProxyUnderTest, stream: bo
     url = gemini_url(session, method) + ("?alt=sse" if stream else "")
     body = {"contents": [USER], "systemInstruction": SYSTEM, "tools": [{"functionDeclarations": [SHELL]}],
             "generationConfig": {"temperature": 0.7, "maxOutputTokens": 200}}
-    first = httpx.post(url, json=body, timeout=30)
+    first = httpx.post(url, json=body, timeout=30, headers={"x-goog-api-key": session["api_key"]})
     assert first.status_code == 200, first.text
     documents = sse_documents(first.text) if stream else [first.json()]
     calls = [p for d in documents for p in d["candidates"][0]["content"]["parts"] if "functionCall" in p]
@@ -288,7 +288,7 @@ async def test_forced_function_call_round_trip(proxy: ProxyUnderTest, stream: bo
     body["contents"] = [USER, {"role": "model", "parts": [echoed]},
                         {"role": "user", "parts": [{"functionResponse": {"name": "shell",
                                                                          "response": {"output": "hi\n"}}}]}]
-    second = httpx.post(url, json=body, timeout=30)
+    second = httpx.post(url, json=body, timeout=30, headers={"x-goog-api-key": session["api_key"]})
     assert second.status_code == 200, second.text
     documents = sse_documents(second.text) if stream else [second.json()]
     assert "".join(p.get("text", "") for d in documents for p in d["candidates"][0]["content"]["parts"]) == "All done."
@@ -308,7 +308,7 @@ async def test_returned_signature_restores_the_reasoning(proxy: ProxyUnderTest) 
     signed = {"text": "I will look.", "thoughtSignature": encode_reasoning("hmm")}
     contents = [USER, {"role": "model", "parts": [signed]},
                 {"role": "user", "parts": [{"text": "go on"}]}]
-    response = httpx.post(gemini_url(session), json={"contents": contents}, timeout=30)
+    response = httpx.post(gemini_url(session), json={"contents": contents}, timeout=30, headers={"x-goog-api-key": session["api_key"]})
     assert response.status_code == 200, response.text
     [event] = await proxy.completions(1)
     assert event.request.messages[1].reasoning == "hmm" and event.request.messages[1].content == "I will look."
@@ -327,7 +327,7 @@ async def test_returned_signature_restores_the_reasoning(proxy: ProxyUnderTest) 
 async def test_bad_requests_get_gemini_shaped_errors(proxy: ProxyUnderTest, path: str, body: object, status: int,
                                                      google_status: str) -> None:
     session = proxy.new_session()
-    response = httpx.post(f"{session['base_urls']['gemini']}/v1beta/models/{MODEL}:{path}", json=body, timeout=30)
+    response = httpx.post(f"{session['base_urls']['gemini']}/v1beta/models/{MODEL}:{path}", json=body, timeout=30, headers={"x-goog-api-key": session["api_key"]})
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == status and error["status"] == google_status and error["message"]
@@ -336,12 +336,17 @@ async def test_bad_requests_get_gemini_shaped_errors(proxy: ProxyUnderTest, path
 
 @pytest.mark.kafka
 async def test_unknown_session_is_unauthenticated(proxy: ProxyUnderTest) -> None:
-    by_path = httpx.post(f"{proxy.url}/s/nobody/v1beta/models/{MODEL}:generateContent", json={"contents": [USER]})
+    by_path = httpx.post(f"{proxy.url}/s/nobody/v1beta/models/{MODEL}:generateContent", json={"contents": [USER]},
+                         headers={"x-goog-api-key": "some-key-123"})
     by_key = httpx.post(f"{proxy.url}/v1beta/models/{MODEL}:streamGenerateContent?alt=sse",
                         json={"contents": [USER]}, headers={"x-goog-api-key": "wrong"})
     for response in (by_path, by_key):
         assert response.status_code == 401, response.text
         assert response.json()["error"]["status"] == "UNAUTHENTICATED"
+    no_key = httpx.post(f"{proxy.url}/v1beta/models/{MODEL}:generateContent", content=b"hi",
+                        headers={"content-type": "text/plain"})
+    assert no_key.status_code == 401  # the key is checked before the body
+    session = proxy.new_session()
     text_body = httpx.post(f"{proxy.url}/v1beta/models/{MODEL}:generateContent", content=b"hi",
-                           headers={"content-type": "text/plain"})
+                           headers={"content-type": "text/plain", "x-goog-api-key": session["api_key"]})
     assert text_body.status_code == 415 and text_body.json()["error"]["status"] == "INVALID_ARGUMENT"

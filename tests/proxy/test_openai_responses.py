@@ -101,7 +101,8 @@ def engine_prompt(event: Any) -> list[int]:
 @pytest.mark.kafka
 async def test_unknown_session_and_websocket_upgrade_are_refused_in_openai_shape(proxy: ProxyUnderTest) -> None:
     body = {"model": "m", "input": "hi"}
-    by_path = httpx.post(f"{proxy.url}/s/no-such-session/v1/responses", json=body)
+    by_path = httpx.post(f"{proxy.url}/s/no-such-session/v1/responses", json=body,
+                         headers={"authorization": "Bearer some-key-123"})
     by_key = httpx.post(f"{proxy.url}/v1/responses", json=body, headers={"authorization": "Bearer nope"})
     for response in (by_path, by_key):
         assert response.status_code == 401
@@ -142,6 +143,7 @@ async def test_whole_reply_is_captured_token_for_token(proxy: ProxyUnderTest) ->
 async def test_stream_is_well_formed_and_reassembles_to_the_recorded_tokens(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session()
     with httpx.stream("POST", f"{session['base_urls']['openai']}/responses", timeout=30,
+                      headers={"authorization": f"Bearer {session['api_key']}"},
                       json={"model": "m", "input": "say something", "stream": True}) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -294,6 +296,7 @@ async def test_bad_input_is_an_openai_shaped_400(proxy: ProxyUnderTest) -> None:
 async def test_engine_failure_mid_stream_is_a_response_failed_event(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session(engine={"extra": {"standin_fail": "cut"}})
     with httpx.stream("POST", f"{session['base_urls']['openai']}/responses", timeout=30,
+                      headers={"authorization": f"Bearer {session['api_key']}"},
                       json={"model": "m", "input": "hi", "stream": True}) as response:
         assert response.status_code == 200
         events = sse_events(response.read().decode())
