@@ -143,7 +143,7 @@ class CallService:
         elif placement.kind == "retry" and branch is not None:
             prompt, prefix = list(branch.last_prompt), len(branch.last_prompt)
         generation = await self.tokens.generate(
-            TokenApi.generate_body(rendered, prompt, self._room(request, prompt), stream=False))
+            TokenApi.generate_body(rendered, prompt, self._room(request, prompt)))
         turn = await self.tokens.derender(generation, body, prompt, model)
         ctx.weight_versions = generation.weight_versions
         exact_mode = placement.kind in ("continue", "retry") and placement.branch is not None

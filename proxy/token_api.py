@@ -5,7 +5,8 @@ vLLM 0.32 serves, besides its OpenAI routes:
 - ``POST /v1/chat/completions/render``: an ordinary chat request → the prompt ids the chat template gives
   and vLLM's own sampling parameters for it (a ``GenerateRequest``);
 - ``POST /inference/v1/generate``: that object, with any ``token_ids`` → the sampled ids, their logprobs
-  (one per id), the finish and stop reasons and the weight version spans; streamed as SSE when asked;
+  (one per id), the finish and stop reasons and the weight version spans (called whole: the reply is
+  parsed once it is complete, see ``proxy/calls.py``);
 - ``POST /v1/chat/completions/derender``: a generate reply + the chat request → a chat completion parsed
   by the server's own reasoning and tool-call parsers;
 - ``POST /detokenize``: ids → text.
@@ -18,7 +19,6 @@ itself unavailable once, and the proxy renders prompts through the chat endpoint
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,16 +127,13 @@ class TokenApi:
         return list((await self.render(chat_body))["token_ids"])
 
     @staticmethod
-    def generate_body(rendered: dict[str, Any], token_ids: list[int], max_tokens: int | None,
-                      stream: bool) -> dict[str, Any]:
+    def generate_body(rendered: dict[str, Any], token_ids: list[int], max_tokens: int | None) -> dict[str, Any]:
         sampling = dict(rendered.get("sampling_params") or {})
         if max_tokens is not None:
             sampling["max_tokens"] = max_tokens
         body = {key: value for key, value in rendered.items() if value is not None and key not in (
             "token_offsets", "features", "content_parts", "request_id")}
-        body.update(token_ids=token_ids, sampling_params=sampling, stream=stream, output_mode="tokens")
-        if stream:
-            body["stream_options"] = {"include_usage": True}
+        body.update(token_ids=token_ids, sampling_params=sampling, stream=False, output_mode="tokens")
         return body
 
     async def generate(self, body: dict[str, Any]) -> Generation:
@@ -149,43 +146,6 @@ class TokenApi:
                               raw=document)
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise EngineFailed(f"engine generate reply has an unexpected shape: {str(document)[:200]}") from exc
-
-    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[Generation]:
-        """The sampled ids as they come: one :class:`Generation` delta per SSE chunk."""
-        try:
-            async with self._client.stream("POST", "/inference/v1/generate", content=orjson.dumps(body),
-                                           headers=_JSON) as response:
-                if response.status_code != 200:
-                    raise error_from_response(response.status_code,
-                                               (await response.aread()).decode(errors="replace"))
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        continue
-                    try:
-                        chunk = orjson.loads(payload)
-                    except orjson.JSONDecodeError as exc:
-                        raise EngineFailed(f"engine sent a chunk that is not JSON: {payload[:200]}") from exc
-                    if not isinstance(chunk, dict):
-                        raise EngineFailed(f"engine sent a chunk that is not an object: {payload[:200]}")
-                    if "error" in chunk and "choices" not in chunk:
-                        error = chunk["error"]
-                        message = error.get("message") if isinstance(error, dict) else error
-                        raise EngineFailed(f"engine failed mid-stream: {str(message)[:2000]}")
-                    delta = Generation(usage=_usage(chunk.get("usage")))
-                    for choice in chunk.get("choices") or ():
-                        if not isinstance(choice, dict):
-                            raise EngineFailed(f"engine sent a malformed chunk: {payload[:200]}")
-                        delta.token_ids = list(choice.get("token_ids") or ())
-                        delta.logprobs = _logprobs(choice)
-                        delta.finish_reason = choice.get("finish_reason")
-                        delta.stop_reason = choice.get("stop_reason")
-                        delta.weight_versions = choice.get("weight_versions")
-                    yield delta
-        except httpx.HTTPError as exc:
-            raise translate_http_error(exc) from exc
 
     async def derender(self, generation: Generation, chat_body: dict[str, Any], prompt: list[int],
                        model: str) -> EngineTurn:
