@@ -3,8 +3,8 @@
 The four real harness CLIs (``codex``, ``claude-code``, ``qwen-code``, ``pi``; pinned, installed from npm on
 first use) run the example task (``examples/tasks.jsonl``: its repository and instruction, tasks taken in
 turn by sample index) against the engine at ``--engine-url`` (default ``ROLLWIRE_ENGINE_URL``, else
-``http://127.0.0.1:18000``), *unforced*: the model samples freely (``temperature 1``, ``seed`` = the sample
-index, ``--max-tokens`` per reply), in both of a session's continuation modes:
+``http://127.0.0.1:18000``), *unforced*: the model samples freely (``temperature 1``, no seed, ``--max-tokens``
+per reply), in both of a session's continuation modes:
 
 - ``exact`` (the default): a call that continues a branch is sent as the branch's exact tokens (prompt +
   sampled ids) + the tokens of only the new messages;
@@ -224,14 +224,16 @@ async def _install(harnesses: Sequence[str]) -> dict[str, str]:
 
 def _samples(harnesses: Sequence[str], modes: Sequence[str], tasks: Sequence[TaskRequest],
              args: argparse.Namespace) -> list[Sample]:
-    """Sample i of every harness and mode runs task i (in turn) with seed i."""
+    """Sample i of every harness and mode runs task i (in turn), unseeded."""
     run = uuid.uuid4().hex[:6]
     samples: list[Sample] = []
     for harness in harnesses:
         for mode in modes:
             for index in range(args.samples):
                 task = tasks[index % len(tasks)]
-                engine = EngineParams(continuation=mode, max_tokens=args.max_tokens, seed=index, temperature=1.0)
+                # No seed: the CPU build's engine core dies on a seeded request whose prefill gets chunked,
+                # which concurrent long harness prompts cause (see deploy/engine/server.py).
+                engine = EngineParams(continuation=mode, max_tokens=args.max_tokens, temperature=1.0)
                 spec = SessionSpec(session_id=f"fidelity-{run}-{harness}-{mode}-{index}", task_id=task.task_id,
                                    sample_index=index, instruction=task.instruction,
                                    runtime=task.runtime.model_copy(deep=True), agent=AgentSpec(harness=harness),
@@ -485,6 +487,21 @@ def _print_suspects(results: Sequence[SessionResult], warnings: Sequence[str]) -
 # ---- main ---------------------------------------------------------------------------------------------
 
 
+async def collect(harnesses: Sequence[str], tasks: Sequence[TaskRequest],
+                  args: argparse.Namespace) -> tuple[dict[str, SessionResult], KafkaSettings]:
+    """Run every sample (``args``: engine_url, modes, samples, max_tokens, timeout_s, run_slots) on a fresh
+    topic prefix, deleted afterwards, and build each session's trajectory; also used by the tests."""
+    kafka = KafkaSettings().model_copy(update={"topic_prefix": f"bench-fidelity-{uuid.uuid4().hex[:8]}."})
+    await ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-fidelity-") as tmp:
+            results = await _run_sessions(_samples(harnesses, args.modes, tasks, args), args, kafka, Path(tmp))
+    finally:
+        await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
+    _build(results.values())
+    return results, kafka
+
+
 async def bench(args: argparse.Namespace) -> None:
     started = time.monotonic()
     phases: dict[str, float] = {}
@@ -500,20 +517,9 @@ async def bench(args: argparse.Namespace) -> None:
     phases["install"] = time.monotonic() - clock
     harnesses = [h for h in args.harness if h not in install_errors]
 
-    kafka = KafkaSettings().model_copy(update={"topic_prefix": f"bench-fidelity-{uuid.uuid4().hex[:8]}."})
-    await ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes)
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-fidelity-") as tmp:
-            clock = time.monotonic()
-            samples = _samples(harnesses, args.modes, tasks, args)
-            results = await _run_sessions(samples, args, kafka, Path(tmp))
-            phases["sessions"] = time.monotonic() - clock
-    finally:
-        await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
-
     clock = time.monotonic()
-    _build(results.values())
-    phases["build"] = time.monotonic() - clock
+    results, kafka = await collect(harnesses, tasks, args)
+    phases["sessions"] = time.monotonic() - clock
 
     rescore = RescoreResult()
     if args.rescore:
