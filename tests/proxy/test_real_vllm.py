@@ -10,7 +10,7 @@ import pytest
 from proxy.app import create_app
 from proxy.engine import engine_body
 from schemas.transport import KafkaSettings
-from tests.proxy.conftest import ProxyUnderTest, proxy_settings
+from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import serve
 
 pytestmark = pytest.mark.kafka
@@ -36,7 +36,7 @@ def _sse(text: str) -> list[dict]:
 
 async def test_recorded_tokens_are_vllms(real_proxy: ProxyUnderTest, vllm_url: str) -> None:
     session = real_proxy.new_session(engine={"seed": 11, "temperature": 1.0, "max_tokens": 16})
-    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=120,
+    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=120, headers=auth(session),
                           json={"model": "qwen3-coder", "messages": MESSAGES, "logprobs": True})
     assert response.status_code == 200, response.text
     [event] = await real_proxy.completions(1)
@@ -57,7 +57,7 @@ async def test_recorded_tokens_are_vllms(real_proxy: ProxyUnderTest, vllm_url: s
 
 async def test_stream_reassembles_to_the_event(real_proxy: ProxyUnderTest, vllm_url: str) -> None:
     session = real_proxy.new_session(engine={"seed": 5, "max_tokens": 24})
-    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=120,
+    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=120, headers=auth(session),
                           json={"model": "m", "messages": MESSAGES, "stream": True,
                                 "stream_options": {"include_usage": True}})
     assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
@@ -74,7 +74,7 @@ async def test_stream_reassembles_to_the_event(real_proxy: ProxyUnderTest, vllm_
 @pytest.mark.parametrize("stream", [False, True])
 async def test_forced_tool_call_through_real_vllm(real_proxy: ProxyUnderTest, stream: bool) -> None:
     session = real_proxy.new_session(engine={"seed": 1, "extra": {"structured_outputs": {"regex": FORCED_CALL}}})
-    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=120,
+    response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", timeout=120, headers=auth(session),
                           json={"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto",
                                 "stream": stream, "max_tokens": 80})
     assert response.status_code == 200, response.text
