@@ -8,7 +8,7 @@ requests, alternating rounds direct and through the proxy so that both see the s
 Prints: direct and through latency percentiles (time to the end of the stream), the added latency at
 p50 and p99, throughputs and their ratio, and events recorded. Key figure last.
 
-    python -m bench.proxy_overhead [--concurrency 64] [--rounds 4] [--requests-per-client 4]
+    python -m bench.proxy_overhead [--concurrency 64] [--rounds 4] [--requests-per-client 4] [--token-api]
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ async def run(args: argparse.Namespace) -> None:
     standin_port, proxy_port = _free_port(), _free_port()
     standin = _spawn(["-m", "bench.standin_engine", "--port", str(standin_port), "--latency-ms", "20",
                       "--reply-tokens", str(args.reply_tokens), "--token-interval-ms", str(args.token_interval_ms),
-                      "--bytes-per-token", "4"], {}, args.log_prefix + "standin.log")
+                      "--bytes-per-token", "4", *(["--token-api"] if args.token_api else [])], {},
+                     args.log_prefix + "standin.log")
     proxy = _spawn(["-m", "deploy.cli", "proxy", "--port", str(proxy_port),
                     "--engine-url", f"http://127.0.0.1:{standin_port}"],
                    {"ROLLWIRE_KAFKA_BOOTSTRAP": bootstrap, "ROLLWIRE_TOPIC_PREFIX": prefix,
@@ -181,6 +182,9 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=64, help="Tokens per streamed reply.")
     parser.add_argument("--token-interval-ms", type=float, default=8.0,
                         help="Pace of the stand-in's stream after its 20 ms first-token latency.")
+    parser.add_argument("--token-api", action="store_true", help=(
+        "The stand-in serves vLLM's token endpoints, so the proxy takes its exact-continuation path (render, "
+        "generate, derender; the stream synthesized once the turn is parsed) instead of relaying chat streams."))
     parser.add_argument("--log-prefix", default="/tmp/rollwire-bench-", help="Where the servers' logs go.")
     parser.add_argument("--stop-kafka", action="store_true", help="Stop the broker if this run started it.")
     asyncio.run(run(parser.parse_args()))
