@@ -38,17 +38,18 @@ _MARKERS = {"<|im_start|>": IM_START, "<|im_end|>": IM_END}
 _NAMES = {v: k for k, v in _MARKERS.items()}
 
 
-def tokenize_chat(text: str) -> list[int]:
-    """Bytes, with the template's markers as their special ids."""
+def tokenize_chat(text: str, bytes_per_token: int = 1) -> list[int]:
+    """The stand-in's tokens (``standin_engine.tokenize``), with the template's markers as their special ids."""
     ids: list[int] = []
     rest = text
     while rest:
         cut = min(((rest.find(m), m) for m in _MARKERS if rest.find(m) >= 0), default=None)
         if cut is None:
-            ids.extend(rest.encode("utf-8"))
+            ids.extend(engine.tokenize(rest, bytes_per_token))
             break
         at, marker = cut
-        ids.extend(rest[:at].encode("utf-8"))
+        if at:
+            ids.extend(engine.tokenize(rest[:at], bytes_per_token))
         ids.append(_MARKERS[marker])
         rest = rest[at + len(marker):]
     return ids
@@ -86,7 +87,7 @@ class TokenEndpoints:
     async def render(self, request: Request) -> Response:
         try:
             body = orjson.loads(await request.body())
-            ids = tokenize_chat(_prompt(body))
+            ids = tokenize_chat(_prompt(body), self.standin.config.bytes_per_token)
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
             return self.standin._error(400, f"invalid render request: {exc}"[:2000])
         out = copy.deepcopy(self.render_template)
@@ -122,7 +123,6 @@ class TokenEndpoints:
             return self.standin._error(500, "EngineCore encountered an issue.")
         if fail == "hang":
             await asyncio.sleep(3600)
-        await asyncio.sleep(self.standin.config.latency_ms / 1000)
         chat_like = {"vllm_xargs": extra, "structured_outputs": sampling.get("structured_outputs"),
                      "seed": sampling.get("seed")}
         text = engine._reply_text(chat_like, prompt, min(max_tokens, self.standin.config.reply_tokens))
@@ -131,6 +131,9 @@ class TokenEndpoints:
         limit = min(max_tokens, max(self.standin.config.reply_tokens, len(ids) if forced else 0))
         finish = "length" if len(ids) > limit else "stop"
         ids = ids[:limit] + ([IM_END] if finish == "stop" else [])
+        # As long as the chat endpoint takes to stream the same reply: first token, then one per interval.
+        config = self.standin.config
+        await asyncio.sleep((config.latency_ms + config.token_interval_ms * max(0, len(ids) - 1)) / 1000)
         out = copy.deepcopy(self.generate_template)
         choice = out["choices"][0]
         choice.update(token_ids=ids, finish_reason=finish, stop_reason=None,

@@ -137,8 +137,10 @@ class CallService:
             try:
                 exact = await self.continuations.extend(placement, request, model)
                 prompt, prefix, closed_cut = exact.token_ids, exact.prefix_tokens, exact.closed_cut_turn
-            except CannotContinue as exc:
-                placement = replace(placement, kind="open", branch=None, opened=exc.reason,
+            except (CannotContinue, ProxyError) as exc:
+                # Never a failed call for this: the full render is the prompt, and the event says why.
+                reason = exc.reason if isinstance(exc, CannotContinue) else f"continuation_failed:{exc.kind}"
+                placement = replace(placement, kind="open", branch=None, opened=reason,
                                     role=branch.role if branch else placement.role)
         elif placement.kind == "retry" and branch is not None:
             prompt, prefix = list(branch.last_prompt), len(branch.last_prompt)

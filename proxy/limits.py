@@ -98,6 +98,9 @@ def decode_json_body(raw: bytes) -> Any:
     try:
         document = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc).lower() or "recursion" in str(exc).lower():
+            raise BadRequest(f"JSON nested deeper than {MAX_JSON_DEPTH} levels: this proxy refuses such input"
+                             ) from exc
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     check_depth(document)
     return document
