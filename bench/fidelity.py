@@ -49,23 +49,20 @@ import logging
 import math
 import os
 import re
-import socket
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import uvicorn
 
+from bench.serving import serve
 from deploy.kafka import delete_topics, ensure_topics
 from processors.builders.common import SessionFacts
 from processors.builders.prefix_merging import build as build_prefix_merging
@@ -156,31 +153,6 @@ class RescoreResult:
 # ---- serving in this process --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def _serve(app: Any) -> Iterator[str]:
-    """``app`` on a loopback port in a thread until the block ends."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError(f"server on port {port} did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 class _WarningsKept(logging.Handler):
     """Keeps the proxy's warnings and errors, to be shown with the calls they concern."""
 
@@ -251,7 +223,7 @@ async def _run_sessions(samples: Sequence[Sample], args: argparse.Namespace, kaf
     if not samples:
         return results
     proxy_settings = ProxySettings(engine_url=args.engine_url, session_wait_s=3.0)
-    with _serve(create_proxy(proxy_settings, kafka)) as proxy_url:
+    with serve(create_proxy(proxy_settings, kafka)) as proxy_url:
         settings = GatewaySettings(proxy_url=proxy_url, port=0, run_slots=args.run_slots, prewarm=args.run_slots,
                                    init_workers=args.run_slots, post_workers=2, node_name="bench-fidelity")
         node = GatewayNode(settings, kafka, runtime_for=lambda kind: LocalRuntime(root=root))

@@ -19,19 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import uvicorn
-
+from bench.serving import serve
 from bench.standin_engine import StandinConfig, create_app as create_standin
 from deploy.kafka import delete_topics, ensure_topics
 from producers.gateway.node import GatewayNode
@@ -62,39 +56,14 @@ for i in range(calls):
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def _serve(app: Any) -> Iterator[str]:
-    """``app`` on a loopback port in a thread until the block ends."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError(f"server on port {port} did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 async def _phase(args: argparse.Namespace, prewarm: int, script: Path, root: Path) -> dict[str, float]:
     """One node, N sessions at once; returns sessions/min and mean seconds per stage."""
     base = KafkaSettings()
     kafka = base.model_copy(update={"topic_prefix": f"bench-rollout-{uuid.uuid4().hex[:8]}."})
     await ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes)
     try:
-        with _serve(create_standin(StandinConfig(latency_ms=1, reply_tokens=16))) as engine_url, \
-                _serve(create_proxy(ProxySettings(engine_url=engine_url, session_wait_s=1.0), kafka)) as proxy_url:
+        with serve(create_standin(StandinConfig(latency_ms=1, reply_tokens=16))) as engine_url, \
+                serve(create_proxy(ProxySettings(engine_url=engine_url, session_wait_s=1.0), kafka)) as proxy_url:
             settings = GatewaySettings(proxy_url=proxy_url, port=0, run_slots=args.run_slots, prewarm=prewarm,
                                        init_workers=args.init_workers, post_workers=args.run_slots,
                                        node_name=f"bench-{prewarm}")

@@ -19,13 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import orjson
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proxy import openai_chat
 from proxy.anthropic_messages import MessagesApi
 from proxy.gemini import GeminiApi
 from proxy.openai_chat import ChatCompletionsApi

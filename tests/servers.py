@@ -1,38 +1,5 @@
-"""Serving ASGI apps on real loopback sockets for tests (uvicorn in a thread), so HTTP is real."""
+"""The tests' servers on real loopback sockets: the same helpers the benchmarks use (``bench/serving.py``)."""
 
-from __future__ import annotations
+from bench.serving import free_port, serve
 
-import socket
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
-import uvicorn
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def serve(app: Any, port: int | None = None, timeout_s: float = 30) -> Iterator[str]:
-    """Run ``app`` on 127.0.0.1 until the block ends; yields its base URL."""
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"test server on port {port} did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=timeout_s)
+__all__ = ["free_port", "serve"]
