@@ -107,13 +107,12 @@ class CallService:
             request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
             placement = session.branches.place(request, harness_request)
-            wants_exact = session.spec.engine.continuation == "exact"
-            if wants_exact and await self.tokens.probe(ctx.served_model):
+            if placement.kind != "open" and await self._exact_mode(session):
                 with contextlib.suppress(TokenApiMissing):
                     turn, placement = await self._exact(ctx, session, request, placement, body)
             if turn is None:
                 turn = await self.engine.complete(body)
-                ctx.continuation = _rendered_continuation(placement, session, wants_exact)
+                ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
             ctx.first_token_at = utcnow()
             await self._record_turn(ctx, request, turn)
         except Exception as exc:
@@ -164,6 +163,12 @@ class CallService:
             else None)
         return turn, placement
 
+    def _fallback(self, session: LiveSession) -> str | None:
+        """Why a call of an exact-mode session was rendered whole although it continues a branch."""
+        if session.spec.engine.continuation == "exact" and self.tokens.available is False:
+            return "engine_has_no_token_api"
+        return None
+
     async def _exact_mode(self, session: LiveSession) -> bool:
         if session.spec.engine.continuation != "exact":
             return False
@@ -191,15 +196,15 @@ class CallService:
         after it, the error is rendered into the stream, so the harness sees a failed call (never a
         normal stop, never a reset connection). Either way the failure is recorded first.
         """
-        if not self.upstream_stream or await self._exact_mode(session):
-            # Exact continuation parses the reply with the engine's derender once it is whole: the stream
-            # is synthesized from the recorded turn (first bytes when the turn is done).
-            async for chunk in self._synthetic_stream(ctx, session, request, renderer):
-                yield chunk
-            return
         harness_request = request
         request = effective_request(request, session.spec.engine)
         placement = session.branches.place(request, harness_request)
+        if not self.upstream_stream or placement.kind != "open" and await self._exact_mode(session):
+            # An exact continuation's reply is parsed by the engine's derender once it is whole: its stream
+            # is synthesized from the recorded turn (first bytes when the turn is done).
+            async for chunk in self._synthetic_stream(ctx, session, harness_request, renderer):
+                yield chunk
+            return
         assembler = TurnAssembler()
         outcome = "aborted"
         started = False  # once a chunk is out, errors can only be told in the stream itself
@@ -219,8 +224,7 @@ class CallService:
             finally:
                 await deltas.aclose()
             turn = assembler.turn()
-            ctx.continuation = _rendered_continuation(placement, session,
-                                                      session.spec.engine.continuation == "exact")
+            ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
             # Once the turn is whole its event is written whatever the client does: shielded, so that a
             # hang-up during the write neither cancels it nor records the call a second time.
             recording = asyncio.ensure_future(self._record_turn(ctx, request, turn))
@@ -276,13 +280,14 @@ def _parent(placement: Placement) -> int | None:
     return branch.last_parent if placement.kind == "retry" else branch.last_sequence
 
 
-def _rendered_continuation(placement: Placement, session: LiveSession, wanted_exact: bool) -> Continuation:
-    """The event's continuation block for a prompt the chat endpoint rendered whole (in an exact-mode
-    session only because the engine has no token endpoints: the event says so)."""
+def _rendered_continuation(placement: Placement, session: LiveSession, fallback: str | None) -> Continuation:
+    """The event's continuation block for a prompt the chat endpoint rendered whole: a new branch (its
+    prompt is the full render in either mode, so the chat endpoint serves it, streaming as it samples), a
+    session in rendered mode, or ``fallback`` (an engine without the token endpoints: the event says so)."""
     branch = placement.branch
     return Continuation(mode="rendered", branch=branch.branch_id if branch else session.branches.next_id,
                         role=branch.role if branch else placement.role, parent_sequence=_parent(placement),
-                        opened="engine_has_no_token_api" if wanted_exact else placement.opened,
+                        opened=fallback or placement.opened,
                         retry_of_sequence=branch.last_sequence if placement.kind == "retry" and branch else None)
 
 
