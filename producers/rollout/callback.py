@@ -86,8 +86,13 @@ class CallbackSender:
             await asyncio.shield(task)
         return self._states.get(task_id)
 
-    async def stop(self) -> None:
-        """Abandon deliveries in flight (a restart re-sends them) and close the client."""
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Let posts already on the wire finish (up to ``grace_s``), abandon the rest (a restart re-sends
+        them: the receiver sees the same idempotency key), and close the client."""
+        sending = [task for task_id, task in self._deliveries.items()
+                   if not task.done() and self._states[task_id].state == "sending"]
+        if sending:
+            await asyncio.wait(sending, timeout=grace_s)
         for task in self._deliveries.values():
             task.cancel()
         for task in self._deliveries.values():

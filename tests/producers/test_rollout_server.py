@@ -185,7 +185,9 @@ async def test_restart_rebuilds_status_and_remembers_callbacks(kafka: KafkaSetti
             before = wait_until(lambda: (s := task_status(url, "task-r"))["state"] == "done"
                                 and s["sessions"][0].get("trajectory_id") and s["sessions"][0]["completions"] == 2
                                 and s, what="done")
-            wait_until(lambda: receiver.bodies, what="callback delivered")
+            wait_until(lambda: task_status(url, "task-r")["callback"]["state"] == "delivered",
+                       what="callback delivered")
+            assert len(receiver.bodies) == 1
 
         with rollout_server(kafka, tmp_path) as url:
             after = task_status(url, "task-r")
