@@ -9,6 +9,7 @@ in order: valid JSON object, a known event type, a supported schema version, the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Union
 
 import orjson
@@ -16,7 +17,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from schemas.completions import Completion
 from schemas.dead_letter import DeadLetter
-from schemas.envelope import Event
+from schemas.envelope import Event, utcnow
 from schemas.evaluations import Evaluation
 from schemas.groups import Group
 from schemas.sessions import SessionEnded, SessionSpec, SessionStageChanged
@@ -58,6 +59,29 @@ def event_headers(event: Event) -> list[tuple[str, bytes]]:
         (HEADER_EVENT_TYPE, event.event_type.encode("ascii")),
         (HEADER_SCHEMA_VERSION, str(event.schema_version).encode("ascii")),
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    """An event stamped for sending and encoded as one Kafka record: what every writer hands its client."""
+
+    event: Event
+    """The stamped event (``emitted_at`` now, ``source`` filled in)."""
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+
+def stamp(event: Event, source: str) -> Event:
+    """The event as it leaves its writer: ``emitted_at`` set to now, ``source`` kept or set to ``source``."""
+    return event.model_copy(update={"emitted_at": utcnow(), "source": event.source or source})
+
+
+def encode_record(event: Event, source: str) -> EncodedRecord:
+    """Stamp and encode an event: the one way every writer (the typed producer, the Faust workers, the
+    rebuild) turns an event into a record, so that keys, headers and stamps never differ between them."""
+    stamped = stamp(event, source)
+    return EncodedRecord(stamped, stamped.key(), encode_event(stamped), event_headers(stamped))
 
 
 def _supported_version(model: type[Event]) -> int:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from schemas.codec import EVENT_TYPES, EventDecodeError, decode_event, encode_event, event_headers
+from schemas.codec import EVENT_TYPES, EventDecodeError, decode_event, encode_event, encode_record, event_headers
 from schemas.completions import Completion
 from schemas.export import export_json_schemas
 from schemas.topics import Topic, TopicRegistry
@@ -38,6 +38,20 @@ def test_arrays_are_not_json_number_lists() -> None:
 def test_headers_name_type_and_version() -> None:
     assert dict(event_headers(completion())) == {"rollwire-event-type": b"completion",
                                                  "rollwire-schema-version": b"1"}
+
+
+@pytest.mark.parametrize("event", every_event(), ids=lambda e: e.event_type)
+def test_encode_record_stamps_keys_and_heads_each_event(event) -> None:
+    record = encode_record(event, "writer@host:1")
+    assert record.event.emitted_at is not None and record.event.source == (event.source or "writer@host:1")
+    assert record.key == event.key() and record.headers == event_headers(record.event)
+    decoded = decode_event(record.value, TopicRegistry().spec(event.topic))
+    assert decoded == record.event and decoded.event_id == event.event_id
+
+
+def test_encode_record_keeps_a_source_already_set() -> None:
+    record = encode_record(completion().model_copy(update={"source": "proxy@a:1"}), "rebuild")
+    assert record.event.source == "proxy@a:1"
 
 
 @pytest.mark.parametrize("value, error_type", [
