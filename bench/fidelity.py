@@ -63,7 +63,6 @@ import httpx
 import numpy as np
 
 from bench.serving import serve
-from deploy.kafka import delete_topics, ensure_topics
 from processors.builders.common import SessionFacts
 from processors.builders.prefix_merging import build as build_prefix_merging
 from producers.gateway.node import GatewayNode
@@ -78,7 +77,7 @@ from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
 from schemas.tasks import AgentSpec, EngineParams, TaskRequest
 from schemas.topics import Topic
 from schemas.trajectories import Trace, Trajectory
-from schemas.transport import EventConsumer, EventProducer, KafkaSettings
+from schemas.transport import EventConsumer, EventProducer, KafkaSettings, delete_topics, ensure_topics
 
 HARNESSES: tuple[str, ...] = ("codex", "claude-code", "qwen-code", "pi")
 MODES: tuple[str, ...] = ("exact", "rendered")
@@ -464,7 +463,7 @@ async def collect(harnesses: Sequence[str], tasks: Sequence[TaskRequest],
     """Run every sample (``args``: engine_url, modes, samples, max_tokens, timeout_s, run_slots) on a fresh
     topic prefix, deleted afterwards, and build each session's trajectory; also used by the tests."""
     kafka = KafkaSettings().model_copy(update={"topic_prefix": f"bench-fidelity-{uuid.uuid4().hex[:8]}."})
-    await ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes)
+    await ensure_topics(kafka)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-fidelity-") as tmp:
             results = await _run_sessions(_samples(harnesses, args.modes, tasks, args), args, kafka, Path(tmp))

@@ -26,8 +26,8 @@ import httpx
 import orjson
 
 from bench.harness_requests import harness_requests
-from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
-from schemas.transport import KafkaSettings
+from deploy.kafka import KafkaBroker, KafkaConfig
+from schemas.transport import KafkaSettings, broker_answers, ensure_topics
 
 
 def _free_port() -> int:
@@ -107,7 +107,7 @@ async def run(args: argparse.Namespace) -> None:
         bootstrap = config.bootstrap
     prefix = f"bench{uuid.uuid4().hex[:6]}."
     kafka = KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix)
-    await ensure_topics(bootstrap, kafka.registry())
+    await ensure_topics(kafka)
 
     standin_port, proxy_port = _free_port(), _free_port()
     standin = _spawn(["-m", "bench.standin_engine", "--port", str(standin_port), "--latency-ms", "20",

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from bench.serving import serve
 from bench.standin_engine import StandinConfig, create_app as create_standin
-from deploy.kafka import delete_topics, ensure_topics
 from producers.gateway.node import GatewayNode
 from producers.gateway.settings import GatewaySettings
 from producers.runtimes.local import LocalRuntime
@@ -36,7 +35,7 @@ from proxy.settings import ProxySettings
 from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
 from schemas.tasks import AgentSpec, RuntimeSpec
 from schemas.topics import Topic
-from schemas.transport import EventConsumer, EventProducer, KafkaSettings
+from schemas.transport import EventConsumer, EventProducer, KafkaSettings, delete_topics, ensure_topics
 
 HARNESS = r'''
 import json, os, sys, time, urllib.request
@@ -60,7 +59,7 @@ async def _phase(args: argparse.Namespace, prewarm: int, script: Path, root: Pat
     """One node, N sessions at once; returns sessions/min and mean seconds per stage."""
     base = KafkaSettings()
     kafka = base.model_copy(update={"topic_prefix": f"bench-rollout-{uuid.uuid4().hex[:8]}."})
-    await ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes)
+    await ensure_topics(kafka)
     try:
         with serve(create_standin(StandinConfig(latency_ms=1, reply_tokens=16))) as engine_url, \
                 serve(create_proxy(ProxySettings(engine_url=engine_url, session_wait_s=1.0), kafka)) as proxy_url:

@@ -3,7 +3,8 @@
 Its replies have the shapes recorded from the real vLLM CPU server (``tests/fixtures/vllm/``): the
 whole reply and every stream chunk are built from a recorded template, with only ids, text, token ids
 and logprobs filled in. "Tokenization" is one token per UTF-8 byte of a ChatML rendering of the
-messages, so a later turn's prompt extends an earlier turn's prompt by prefix, as with a real template.
+messages, so a later turn's prompt extends an earlier turn's prompt by prefix, as with a real template
+(the text and token model, shared with the token endpoints, is ``bench/standin_text.py``).
 
 Like the real server it honours ``structured_outputs.regex`` holding a literal (that is how tests force
 a tool call): the reply is that text, and a ``<tool_call>{json}</tool_call>`` reply comes back as
@@ -46,32 +47,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import hashlib
-import json
-import re
-import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm"
-FORCED_TOKENS_ARG = "rollwire_forced_tokens"  # deploy/engine/plugins: the real engine's forced ids
-FORCED_TEXT_ARG = "rollwire_forced_text"  # the same turn's text, what the stand-in replies
+# The forced-turn arguments are re-exported: tests and harnesses force turns through this module.
+from bench.standin_text import FORCED_TEXT_ARG as FORCED_TEXT_ARG
+from bench.standin_text import FORCED_TOKENS_ARG as FORCED_TOKENS_ARG
+from bench.standin_text import (
+    forced_xargs,
+    load_fixture,
+    logprob,
+    render_prompt,
+    reply_text,
+    tokenize,
+    tool_calls,
+)
+from bench.standin_tokens import TokenEndpoints
+
 FAIL_MODES = ("overflow", "error", "hang", "cut", "error_string", "error_object", "no_finish", "garbage",
               "no_token_ids")
 STREAM_ERROR_STRING = "engine exploded"
 _GARBAGE = b"data: {this is not json <html>502 Bad Gateway</html>\n\n"
-_WORDS = ("the", "file", "test", "def", "return", "import", "fix", "value", "error", "path", "self", "run")
 
 
 @dataclass
@@ -86,133 +91,21 @@ class StandinConfig:
     token_api: bool = False  # serve vLLM's token endpoints (bench/standin_tokens.py), as --enable-scale-out does
 
 
-def _load(name: str) -> dict[str, Any]:
-    return json.loads((FIXTURES / name).read_text())
-
-
-def render_prompt(body: dict[str, Any]) -> str:
-    """A ChatML-like rendering; only its determinism and prefix property matter here."""
-    parts = []
-    if body.get("tools"):
-        parts.append("<|im_start|>system\n# Tools\n" + json.dumps(body["tools"], sort_keys=True) + "<|im_end|>\n")
-    for message in body.get("messages", []):
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content)
-        text = content or ""
-        if message.get("reasoning"):
-            text = f"<think>{message['reasoning']}</think>" + text
-        for i, call in enumerate(message.get("tool_calls") or ()):
-            # Laid out as the real template writes a call (deploy/engine/chat_template.jinja). vLLM parses the
-            # arguments the harness echoes and the template re-serializes them (json.dumps, default
-            # separators), so a model that sampled that layout sees its own text again in the next prompt.
-            function = call.get("function") or {}
-            arguments = function.get("arguments")
-            try:
-                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-            except ValueError:
-                arguments = {}
-            arguments = json.dumps(arguments if isinstance(arguments, dict) else {}, ensure_ascii=False)
-            text += ("\n" if i or text else "") + '<tool_call>\n{"name": "' + str(function.get("name")) + \
-                '", "arguments": ' + arguments + '}\n</tool_call>'
-        parts.append(f"<|im_start|>{message.get('role')}\n{text}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
-
-
-def tokenize(text: str, bytes_per_token: int = 1) -> list[int]:
-    """One id per UTF-8 byte (tests); with ``bytes_per_token`` > 1, one id per group of bytes, for
-    benchmarks that want a realistic number of tokens per request."""
-    data = text.encode("utf-8")
-    if bytes_per_token == 1:
-        return list(data)
-    padded = data + b"\0" * (-len(data) % bytes_per_token)
-    groups = np.frombuffer(padded, dtype=np.uint8).reshape(-1, bytes_per_token).astype(np.uint64)
-    weights = np.array([256 ** i for i in range(bytes_per_token)], dtype=np.uint64)
-    return ((groups * weights).sum(axis=1) % 151_643).tolist()
-
-
-def _regex_literal(pattern: str) -> str | None:
-    """The text a regex made of escaped literals matches, or None if it is not such a regex."""
-    out, i = [], 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\" and i + 1 < len(pattern):
-            nxt = pattern[i + 1]
-            out.append({"n": "\n", "t": "\t"}.get(nxt, nxt))
-            i += 2
-            continue
-        if ch in ".*+?[]()|^$":
-            return None
-        out.append(ch)
-        i += 1
-    return "".join(out)
-
-
-def _forced_xargs(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
-    """A turn forced for the real engine: its text and its ids (``vllm_xargs``), each None if absent."""
-    xargs = body.get("vllm_xargs") or {}
-    text, ids = xargs.get(FORCED_TEXT_ARG), xargs.get(FORCED_TOKENS_ARG)
-    if isinstance(ids, str):
-        parts = [part.strip() for part in ids.split(",")]
-        ids = [int(part) for part in parts if part] if all(p.isdigit() for p in parts if p) else None
-    return (text if isinstance(text, str) else None), (list(ids) if isinstance(ids, list) else None)
-
-
-def _reply_text(body: dict[str, Any], prompt_ids: list[int], n_tokens: int) -> str:
-    forced_text, forced_ids = _forced_xargs(body)
-    if forced_text is not None:
-        return forced_text
-    if forced_ids is not None:
-        return bytes(i for i in forced_ids if 0 <= i < 256).decode("utf-8", errors="ignore")
-    forced = (body.get("structured_outputs") or {}).get("regex")
-    if forced:
-        literal = _regex_literal(forced)
-        if literal is not None:
-            return literal
-    key = json.dumps([prompt_ids[-256:], body.get("seed")]).encode()
-    seed = int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
-    words = [_WORDS[(seed >> (i % 24) ^ i * 7) % len(_WORDS)] for i in range(max(1, n_tokens // 2))]
-    return " ".join(words)
-
-
-def _logprob(token: int, position: int) -> float:
-    raw = -((token * 2654435761 + position * 40503) % 10_000) / 2500.0
-    return struct.unpack("f", struct.pack("f", raw))[0]  # float32, as vLLM computes them
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
-def _tool_calls(text: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    if not body.get("tools") or body.get("tool_choice") == "none":
-        return []
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            continue
-        calls.append({"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
-                      "function": {"name": call.get("name", ""),
-                                   "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
-    return calls
-
-
 class Standin:
     """The stand-in server's state and handlers."""
 
     def __init__(self, config: StandinConfig) -> None:
         self.config = config
-        self.whole_template = _load("chat_whole.json")["response"]
-        self.tool_message_template = _load("tool_call_whole.json")["response"]["choices"][0]["message"]
-        stream = _load("chat_stream.json")["chunks"]
+        self.whole_template = load_fixture("chat_whole.json")["response"]
+        self.tool_message_template = load_fixture("tool_call_whole.json")["response"]["choices"][0]["message"]
+        stream = load_fixture("chat_stream.json")["chunks"]
         self.first_chunk, self.middle_chunk = stream[0], stream[1]
         self.final_chunk = next(c for c in stream if c["choices"] and c["choices"][0].get("finish_reason"))
         self.usage_chunk = next(c for c in stream if not c["choices"])
-        self.error_template = _load("error_context_overflow.json")["response"]
+        self.error_template = load_fixture("error_context_overflow.json")["response"]
         self.requests = 0
 
-    def _error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
+    def error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
         """vLLM's error object: ``BadRequestError`` for a 4xx, ``InternalServerError`` for a 5xx."""
         body = copy.deepcopy(self.error_template)
         body["error"].update(message=message, code=status, param=param,
@@ -231,7 +124,7 @@ class Standin:
             body = await request.json()
             ids = tokenize(render_prompt(body) if "messages" in body else body.get("prompt", ""))
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            return self._error(400, f"invalid tokenize request: {exc}"[:2000])
+            return self.error(400, f"invalid tokenize request: {exc}"[:2000])
         return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                              "token_strs": None})
 
@@ -251,16 +144,16 @@ class Standin:
                 tokenize(prompt, self.config.bytes_per_token)
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
             # vLLM validates the body and answers what it cannot read with a 400, never a 500.
-            return self._error(400, f"invalid chat completion request: {exc}"[:2000])
+            return self.error(400, f"invalid chat completion request: {exc}"[:2000])
         except RecursionError as exc:  # JSON text nested past Python's limit (e.g. tool-call arguments)
-            return self._error(500, f"the engine failed to render the prompt: {exc}")
+            return self.error(500, f"the engine failed to render the prompt: {exc}")
         prompt_len = size if size is not None else len(prompt_ids)
         if fail == "overflow" or prompt_len + max_tokens > self.config.max_model_len:
             message = (f"This model's maximum context length is {self.config.max_model_len} tokens. "
                        f"However, your request has {prompt_len + max_tokens} input tokens.")
-            return self._error(400, message, "input_tokens")
+            return self.error(400, message, "input_tokens")
         if fail == "error" or (fail == "error_object" and not body.get("stream")):
-            return self._error(500, "EngineCore encountered an issue.")
+            return self.error(500, "EngineCore encountered an issue.")
         if fail == "error_string" and not body.get("stream"):
             return JSONResponse({"error": STREAM_ERROR_STRING}, status_code=500)
         if fail == "garbage" and not body.get("stream"):
@@ -268,17 +161,17 @@ class Standin:
         if fail == "hang":
             await asyncio.sleep(3600)
         await asyncio.sleep(self.config.latency_ms / 1000)
-        text = _reply_text(body, prompt_ids, min(max_tokens, self.config.reply_tokens))
-        forced_text, forced_ids = _forced_xargs(body)
+        text = reply_text(body, prompt_ids, min(max_tokens, self.config.reply_tokens))
+        forced_text, forced_ids = forced_xargs(body)
         forced = bool(body.get("structured_outputs")) or forced_text is not None or forced_ids is not None
         if forced_text is None and forced_ids is not None:
             ids, full = forced_ids[:max_tokens], len(forced_ids)
         else:
             ids = tokenize(text)[:min(max_tokens, max(self.config.reply_tokens, len(text) if forced else 0))]
             text = bytes(ids).decode("utf-8", errors="ignore")
-            full = len(tokenize(_reply_text(body, prompt_ids, self.config.reply_tokens)))
+            full = len(tokenize(reply_text(body, prompt_ids, self.config.reply_tokens)))
         finish = "length" if full > max_tokens else "stop"
-        calls = _tool_calls(text, body) if finish == "stop" else []
+        calls = tool_calls(text, body) if finish == "stop" else []
         if calls:
             finish = "tool_calls"
         if body.get("stream"):
@@ -304,7 +197,7 @@ class Standin:
 
     def _logprob_entry(self, token: int, position: int) -> dict[str, Any]:
         raw = [token] if 0 <= token < 256 else []  # forced real-vocabulary ids have no byte here
-        return {"token": bytes(raw).decode("utf-8", errors="replace"), "logprob": _logprob(token, position),
+        return {"token": bytes(raw).decode("utf-8", errors="replace"), "logprob": logprob(token, position),
                 "bytes": raw, "top_logprobs": []}
 
     async def _stream(self, body: dict[str, Any], prompt_ids: list[int], ids: list[int], text: str,
@@ -380,8 +273,6 @@ class Standin:
         return deltas
 
     def app(self) -> Starlette:
-        from bench.standin_tokens import TokenEndpoints
-
         routes = [
             Route("/v1/models", self.models), Route("/health", self.health),
             Route("/tokenize", self.tokenize, methods=["POST"]),

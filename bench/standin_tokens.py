@@ -6,7 +6,7 @@ stand-in in fast tests and benchmarks. Tokens on this path are the stand-in's by
 template's two markers are special tokens with the real vocabulary's ids (``<|im_start|>`` 151644,
 ``<|im_end|>`` 151645), as in the real model: a turn that stops samples ``<|im_end|>`` as its last id,
 and a closed turn is followed by the template's ``\\n``. The prompt layout is the stand-in's ChatML
-(``standin_engine.render_prompt``), which appends the generation prompt only when asked.
+(``standin_text.render_prompt``), which appends the generation prompt only when asked.
 
 - render: the chat request's prompt ids and vLLM-shaped ``sampling_params`` (``vllm_xargs`` as
   ``extra_args``, ``structured_outputs``, the stand-in's ``standin_fail`` carried there too);
@@ -21,35 +21,54 @@ import asyncio
 import copy
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bench import standin_engine as engine
-
-if TYPE_CHECKING:
-    from bench.standin_engine import Standin
+from bench import standin_text as text_model
 
 IM_START, IM_END = 151644, 151645
 _MARKERS = {"<|im_start|>": IM_START, "<|im_end|>": IM_END}
 _NAMES = {v: k for k, v in _MARKERS.items()}
 
 
+class StandinSettings(Protocol):
+    """The stand-in's settings the token endpoints read (``standin_engine.StandinConfig``)."""
+
+    latency_ms: float
+    reply_tokens: int
+    token_interval_ms: float
+    max_model_len: int
+    bytes_per_token: int
+
+
+class StandinHost(Protocol):
+    """What the token endpoints need from the stand-in that serves them (``standin_engine.Standin``): its
+    settings, its request counter, and vLLM's error response."""
+
+    requests: int
+
+    @property
+    def config(self) -> StandinSettings: ...
+
+    def error(self, status: int, message: str, param: str | None = None) -> Response: ...
+
+
 def tokenize_chat(text: str, bytes_per_token: int = 1) -> list[int]:
-    """The stand-in's tokens (``standin_engine.tokenize``), with the template's markers as their special ids."""
+    """The stand-in's tokens (``standin_text.tokenize``), with the template's markers as their special ids."""
     ids: list[int] = []
     rest = text
     while rest:
         cut = min(((rest.find(m), m) for m in _MARKERS if rest.find(m) >= 0), default=None)
         if cut is None:
-            ids.extend(engine.tokenize(rest, bytes_per_token))
+            ids.extend(text_model.tokenize(rest, bytes_per_token))
             break
         at, marker = cut
         if at:
-            ids.extend(engine.tokenize(rest[:at], bytes_per_token))
+            ids.extend(text_model.tokenize(rest[:at], bytes_per_token))
         ids.append(_MARKERS[marker])
         rest = rest[at + len(marker):]
     return ids
@@ -69,7 +88,7 @@ def detokenize_chat(ids: list[int]) -> str:
 
 
 def _prompt(body: dict[str, Any]) -> str:
-    text = engine.render_prompt(body)
+    text = text_model.render_prompt(body)
     if body.get("add_generation_prompt", True) is False:
         text = text[: -len("<|im_start|>assistant\n")]
     return text
@@ -78,18 +97,18 @@ def _prompt(body: dict[str, Any]) -> str:
 class TokenEndpoints:
     """Handlers bound to one stand-in."""
 
-    def __init__(self, standin: Standin) -> None:
+    def __init__(self, standin: StandinHost) -> None:
         self.standin = standin
-        self.render_template = engine._load("render.json")["response"]
-        self.generate_template = engine._load("generate.json")["response"]
-        self.derender_template = engine._load("derender.json")["response"]
+        self.render_template = text_model.load_fixture("render.json")["response"]
+        self.generate_template = text_model.load_fixture("generate.json")["response"]
+        self.derender_template = text_model.load_fixture("derender.json")["response"]
 
     async def render(self, request: Request) -> Response:
         try:
             body = orjson.loads(await request.body())
             ids = tokenize_chat(_prompt(body), self.standin.config.bytes_per_token)
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            return self.standin._error(400, f"invalid render request: {exc}"[:2000])
+            return self.standin.error(400, f"invalid render request: {exc}"[:2000])
         out = copy.deepcopy(self.render_template)
         sampling = out["sampling_params"]
         sampling.update(seed=body.get("seed"), max_tokens=body.get("max_tokens") or self.standin.config.reply_tokens,
@@ -112,20 +131,20 @@ class TokenEndpoints:
             sampling = body.get("sampling_params") or {}
             max_tokens = int(sampling.get("max_tokens") or self.standin.config.reply_tokens)
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            return self.standin._error(400, f"invalid generate request: {exc}"[:2000])
+            return self.standin.error(400, f"invalid generate request: {exc}"[:2000])
         extra = dict(sampling.get("extra_args") or {})
         fail = extra.pop("standin_fail", None)
         if fail == "overflow" or len(prompt) + max_tokens > self.standin.config.max_model_len:
-            return self.standin._error(400, f"This model's maximum context length is "
-                                            f"{self.standin.config.max_model_len} tokens. However, your request has "
-                                            f"{len(prompt) + max_tokens} input tokens.", "input_tokens")
+            return self.standin.error(400, f"This model's maximum context length is "
+                                           f"{self.standin.config.max_model_len} tokens. However, your request has "
+                                           f"{len(prompt) + max_tokens} input tokens.", "input_tokens")
         if fail == "error":
-            return self.standin._error(500, "EngineCore encountered an issue.")
+            return self.standin.error(500, "EngineCore encountered an issue.")
         if fail == "hang":
             await asyncio.sleep(3600)
         chat_like = {"vllm_xargs": extra, "structured_outputs": sampling.get("structured_outputs"),
                      "seed": sampling.get("seed")}
-        text = engine._reply_text(chat_like, prompt, min(max_tokens, self.standin.config.reply_tokens))
+        text = text_model.reply_text(chat_like, prompt, min(max_tokens, self.standin.config.reply_tokens))
         forced = bool(chat_like["structured_outputs"]) or bool(extra)
         ids = list(text.encode("utf-8"))
         limit = min(max_tokens, max(self.standin.config.reply_tokens, len(ids) if forced else 0))
@@ -138,7 +157,7 @@ class TokenEndpoints:
         choice = out["choices"][0]
         choice.update(token_ids=ids, finish_reason=finish, stop_reason=None,
                       weight_versions=[{"version": "default", "start": 0, "end": len(ids)}],
-                      logprobs={"content": [{"token_id": t, "logprob": engine._logprob(t, i), "rank": 1,
+                      logprobs={"content": [{"token_id": t, "logprob": text_model.logprob(t, i), "rank": 1,
                                              "top_logprobs": []} for i, t in enumerate(ids)]})
         out.update(request_id=f"generate-tokens-{uuid.uuid4().hex[:16]}", created=int(time.time()),
                    model=body.get("model"))
@@ -152,9 +171,9 @@ class TokenEndpoints:
             chat = body.get("chat_request") or {}
             ids = [t for t in generated.get("token_ids") or () if t not in _NAMES]
         except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
-            return self.standin._error(400, f"invalid derender request: {exc}"[:2000])
+            return self.standin.error(400, f"invalid derender request: {exc}"[:2000])
         text = bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="ignore")
-        calls = engine._tool_calls(text, chat)
+        calls = text_model.tool_calls(text, chat)
         out = copy.deepcopy(self.derender_template)
         choice = out["choices"][0]
         choice["message"].update(content=None if calls else text, tool_calls=calls)
@@ -169,7 +188,7 @@ class TokenEndpoints:
             body = orjson.loads(await request.body())
             text = detokenize_chat(list(body["tokens"]))
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            return self.standin._error(400, f"invalid detokenize request: {exc}"[:2000])
+            return self.standin.error(400, f"invalid detokenize request: {exc}"[:2000])
         return JSONResponse({"prompt": text})
 
     def routes(self) -> list[Route]:

@@ -1,8 +1,14 @@
-"""Exceptions raised by the deploy tooling (local Kafka, its jars, its topics); each message says what to change.
+"""Exceptions raised by the deploy tooling (local Kafka, its jars); each message says what to change.
 
 The embedded model engine's errors live in ``deploy.engine.errors`` and derive from :class:`DeployError` too,
-so that ``rollwire up/down/status`` can report any of them the same way.
+so that ``rollwire up/down/status`` can report any of them the same way. Topic set-up is not deploy's: it
+raises :class:`schemas.transport.errors.TopicSetupError` (a TransportError), re-exported here under its name.
 """
+
+from schemas.transport.errors import TopicSetupError
+
+__all__ = ["BrokerStartError", "BrokerStopError", "ConfigError", "DeployError", "MissingToolError",
+           "ResolveError", "TopicSetupError"]
 
 
 class DeployError(Exception):
@@ -27,7 +33,3 @@ class BrokerStartError(DeployError):
 
 class BrokerStopError(DeployError):
     """The broker's process could not be signalled or outlived SIGKILL."""
-
-
-class TopicSetupError(DeployError):
-    """Topics could not be created, or an existing topic disagrees with the registry."""

@@ -3,15 +3,14 @@
 ``KafkaBroker`` resolves the jars (``deploy.kafka_dist``), writes ``server.properties`` and ``log4j2.xml``
 into its home, formats the storage on first start, runs ``java kafka.Kafka`` detached (it outlives the
 command that started it; stdout and stderr go to ``<home>/logs/broker.log``), waits until the broker answers
-a real Kafka request, and stops it. ``ensure_topics`` creates the topic registry's topics on any cluster.
-Used by ``rollwire up/down/status``, the test fixtures and the benchmarks. Linux and macOS (POSIX signals).
+a real Kafka request (``schemas.transport.admin.broker_answers``), and stops it. Topics are not its
+business: ``schemas.transport.admin.ensure_topics`` creates them on any cluster. Used by ``rollwire
+up/down/status``, the test fixtures and the benchmarks. Linux and macOS (POSIX signals).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import concurrent.futures
 import os
 import re
 import signal
@@ -19,20 +18,14 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, for_code
-
-from deploy.errors import BrokerStartError, BrokerStopError, ConfigError, TopicSetupError
+from deploy.errors import BrokerStartError, BrokerStopError, ConfigError
 from deploy.kafka_dist import file_lock, require_java, resolve_kafka, template
-from schemas.topics import MAX_MESSAGE_BYTES, TopicRegistry, TopicSpec
-from schemas.topics import FRAMING_BYTES
-
-T = TypeVar("T")
+from schemas.topics import FRAMING_BYTES, MAX_MESSAGE_BYTES
+from schemas.transport.admin import broker_answers
 
 # 4.3.1 rather than the newest minor (4.4.0, which also runs with aiokafka 0.14): a bug-fix release of a
 # settled line rather than an x.y.0. Keep equal to the image tag in deploy/compose.yaml.
@@ -49,7 +42,6 @@ BATCH_OVERHEAD_BYTES = FRAMING_BYTES
 _JVM_FLAGS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:InitiatingHeapOccupancyPercent=35",
               "-XX:+ExplicitGCInvokesConcurrent", "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true")
 _ROTATE_LOG_BYTES = 64 * 1024 * 1024
-_TOPIC_ALREADY_EXISTS = 36
 
 
 def _env_int(name: str, default: int) -> int:
@@ -146,7 +138,7 @@ def server_properties(config: KafkaConfig) -> str:
         "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         "log.dirs": str(config.data_dir),
         "num.partitions": 1,
-        "auto.create.topics.enable": "false",  # topics come from the registry (ensure_topics), never by typo
+        "auto.create.topics.enable": "false",  # topics come from the registry (admin.ensure_topics), never by typo
         # The largest event must pass every limit on its way: the batch limit, replica fetches, and one
         # produce request holding it (socket.request.max.bytes, 100 MiB by default, kept at least that).
         "message.max.bytes": batch_limit,
@@ -166,53 +158,6 @@ def server_properties(config: KafkaConfig) -> str:
         "group.initial.rebalance.delay.ms": 0,
     }
     return "".join(f"{key}={value}\n" for key, value in settings.items())
-
-
-def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to completion from sync code, also when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-def _accepts_tcp(bootstrap: str, timeout_s: float) -> bool:
-    for server in bootstrap.split(","):
-        host, _, port = server.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"bootstrap entry {server!r} must be host:port")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-                return True
-        except OSError:
-            continue
-    return False
-
-
-async def _answers(bootstrap: str, timeout_s: float) -> bool:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
-    try:
-        async with asyncio.timeout(timeout_s):
-            await admin.start()
-            cluster = await admin.describe_cluster()
-        return bool(cluster.get("brokers"))
-    except (KafkaError, OSError, TimeoutError):
-        return False
-    finally:
-        await admin.close()
-
-
-def broker_answers(bootstrap: str, timeout_s: float = 2.0) -> bool:
-    """Whether a Kafka cluster at ``bootstrap`` answers a metadata request naming at least one broker.
-
-    A TCP connect is tried first, so that a closed port costs no Kafka client (and logs nothing).
-    Blocking: from async code call it in a thread.
-    """
-    if not _accepts_tcp(bootstrap, timeout_s):
-        return False
-    return _run_sync(_answers(bootstrap, timeout_s))
 
 
 def new_cluster_id() -> str:
@@ -399,87 +344,3 @@ class KafkaBroker:
         except OSError:
             return "(no log output)"
         return "\n".join(text.splitlines()[-lines:]) or "(no log output)"
-
-
-async def ensure_topics(bootstrap: str, registry: TopicRegistry, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                        timeout_s: float = 60) -> list[str]:
-    """Create the registry's missing topics (replication 1); return the names this call created.
-
-    Returns once every registry topic has a leader on each partition. A topic that exists already is
-    kept, but must have the registry's partition count (co-partitioning depends on it).
-    """
-    deadline = time.monotonic() + timeout_s
-    specs = registry.specs()
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
-    try:
-        await admin.start()
-        existing = set(await admin.list_topics())
-        missing = [spec for spec in specs if spec.name not in existing]
-        if existing & {spec.name for spec in specs}:
-            _check_partitions(await admin.describe_topics([s.name for s in specs if s.name in existing]), specs)
-        created = await _create(admin, missing, max_message_bytes, timeout_s) if missing else []
-        await _wait_for_leaders(admin, [spec.name for spec in specs], deadline)
-        return created
-    except KafkaError as exc:
-        raise TopicSetupError(f"Kafka at {bootstrap} refused topic set-up: {exc!r}") from exc
-    finally:
-        await admin.close()
-
-
-async def delete_topics(bootstrap: str, prefix: str, timeout_s: float = 60) -> list[str]:
-    """Delete every topic whose name starts with ``prefix`` (a deployment's topics and its workers'
-    changelogs); return their names. Tests and benchmarks call it for their throwaway prefixes: a broker
-    that keeps every one of them runs out of file descriptors (three per partition segment)."""
-    if not prefix:
-        raise ValueError("refusing to delete topics without a prefix")
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
-    try:
-        await admin.start()
-        doomed = sorted(name for name in await admin.list_topics() if name.startswith(prefix))
-        if doomed:
-            await admin.delete_topics(doomed, timeout_ms=int(timeout_s * 1000))
-        return doomed
-    except KafkaError as exc:
-        raise TopicSetupError(f"Kafka at {bootstrap} refused to delete topics under {prefix!r}: {exc!r}") from exc
-    finally:
-        await admin.close()
-
-
-async def _create(admin: AIOKafkaAdminClient, specs: list[TopicSpec], max_message_bytes: int,
-                  timeout_s: float) -> list[str]:
-    response = await admin.create_topics(
-        [NewTopic(spec.name, spec.partitions, 1, topic_configs=spec.configs(max_message_bytes)) for spec in specs],
-        timeout_ms=int(timeout_s * 1000))
-    created, failures = [], []
-    for entry in response.topic_errors:
-        name, code, message = entry[0], entry[1], (entry[2] if len(entry) > 2 else None)
-        if code == 0:
-            created.append(name)
-        elif code != _TOPIC_ALREADY_EXISTS:  # created meanwhile by someone else: fine
-            failures.append(f"{name}: {for_code(code).__name__} {message or ''}".strip())
-    if failures:
-        raise TopicSetupError("creating topics failed: " + "; ".join(failures))
-    return created
-
-
-def _check_partitions(described: list[dict[str, Any]], specs: list[TopicSpec]) -> None:
-    wanted = {spec.name: spec.partitions for spec in specs}
-    for topic in described:
-        have = len(topic["partitions"])
-        if topic["error_code"] == 0 and have != wanted[topic["topic"]]:
-            raise TopicSetupError(
-                f"topic {topic['topic']} has {have} partitions but the registry wants {wanted[topic['topic']]} "
-                "(co-partitioned topics must agree): set ROLLWIRE_SESSION_PARTITIONS / ROLLWIRE_TASK_PARTITIONS "
-                "to match the cluster, or use another ROLLWIRE_TOPIC_PREFIX")
-
-
-async def _wait_for_leaders(admin: AIOKafkaAdminClient, names: list[str], deadline: float) -> None:
-    while True:
-        described = await admin.describe_topics(names)
-        if len(described) == len(names) and all(
-                t["error_code"] == 0 and t["partitions"] and all(p["leader"] >= 0 for p in t["partitions"])
-                for t in described):
-            return
-        if time.monotonic() > deadline:
-            raise TopicSetupError(f"topics {names} still have partitions without a leader; is the broker healthy?")
-        await asyncio.sleep(0.1)

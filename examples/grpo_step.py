@@ -89,13 +89,12 @@ async def write_demo_rollouts(settings: KafkaSettings, model, tokenizer, samples
     """Create fresh topics and write, per prompt, `samples` trajectories and their group; returns groups."""
     import numpy as np
 
-    from deploy.kafka import ensure_topics
     from schemas.groups import Group, GroupSample
     from schemas.sessions import SessionStatus
     from schemas.trajectories import Trace, Trajectory
-    from schemas.transport import EventProducer
+    from schemas.transport import EventProducer, ensure_topics
 
-    await ensure_topics(settings.kafka_bootstrap, settings.registry(), settings.max_message_bytes)
+    await ensure_topics(settings)
     generator = torch.Generator().manual_seed(0)
     async with EventProducer(settings, service="grpo-demo") as producer:
         for t, prompt in enumerate(PROMPTS):

@@ -4,7 +4,7 @@
 (agent concurrency 1, so a session's state has a single writer). Tables are passed in as mappings
 of bytes to bytes, so the same code runs on Faust tables (RocksDB) and on dicts in tests.
 
-Life of a session: events arrive → one small :class:`~processors.sessions.OpenSession` value (times, the
+Life of a session: events arrive → one small :class:`~processors.open_sessions.OpenSession` value (times, the
 end, and the log offsets of its completions; the bytes are kept in a
 :class:`~processors.payloads.PayloadCache` and read back from the log on a miss) → on ``session.ended``
 (once every input partition has been read up to that record) or at
@@ -33,7 +33,7 @@ from processors.progress import InputProgress
 from processors.writebehind import BufferedTable
 from processors.writebehind import discard as discard_pending
 from processors.writebehind import flush as flush_tables
-from processors.sessions import (
+from processors.open_sessions import (
     CallRef,
     EndFacts,
     OpenSession,
@@ -172,7 +172,7 @@ class SessionAggregator:
         for record in records:
             self.counters["records"] += 1
             if record.topic == self.control_topic:
-                await self._flush(touched)
+                self._stage(touched)
                 await self._control(record)
                 continue
             self.progress.saw(record.topic, record.partition, record.offset, record.timestamp, self.clock())
@@ -202,22 +202,24 @@ class SessionAggregator:
                 if envelope.session_id in self.in_flight:
                     logger.warning("completion %s arrived after session %s was built; not in its trajectory",
                                    envelope.event_id, envelope.session_id)
-                self.payloads.put(record.partition, record.offset, record.value)  # type: ignore[arg-type]
+                assert record.value is not None  # peek refused a record without a value
+                self.payloads.put(record.partition, record.offset, record.value)
                 session = session.with_call(record.offset, now)
             elif isinstance(event, SessionEnded):
-                session = session.ended(EndFacts.of(event, record.timestamp), now)
-                self._waiting.setdefault(session.partition, {})[envelope.session_id] = session.end.record_ts
+                end = EndFacts.of(event, record.timestamp)
+                session = session.ended(end, now)
+                self._waiting.setdefault(session.partition, {})[envelope.session_id] = end.record_ts
             else:
                 session = session.touched(now)
             touched[sid] = session
-        await self._flush(touched)
+        self._stage(touched)
         now = self.clock()
         for partition in sorted(partitions):
             if self._waiting.get(partition):
                 await self._build_waiting(partition, now)
 
-    async def _flush(self, touched: dict[bytes, OpenSession]) -> None:
-        """Record the sessions a batch changed (one buffered table write each)."""
+    def _stage(self, touched: dict[bytes, OpenSession]) -> None:
+        """Stage the sessions a batch changed (one buffered table write each, applied by :meth:`flush`)."""
         for sid, session in touched.items():
             self._set_open(sid, session)
         touched.clear()
@@ -254,7 +256,7 @@ class SessionAggregator:
                 # It passed the envelope check at intake; the full validation happens only now.
                 await self._dead_letter_value(session_id, ref, value, exc)
                 continue
-            completions.append(event)  # type: ignore[arg-type]
+            completions.append(event)
         try:
             trajectory = build_trajectory(builder_name(spec), completions,
                                           facts(session_id, session, spec, partial=partial))

@@ -21,17 +21,15 @@ import weakref
 import faust
 import orjson
 from faust.streams import _current_event  # what Faust tables read a write's partition from
-from faust.types import TP
+from faust.types import TP, RecordMetadata, TableT
 
 from processors.aggregate import Outputs, SessionAggregator, Tables
-from processors.faust_worker import RAW, app_settings
+from processors.faust_worker import RAW, app_settings, on_partitions, on_signal, send_event, tables_recovered
 from processors.health import serve_health
 from processors.payloads import LogReader
 from processors.settings import ProcessorSettings
 from processors.topics import app_id, changelog_configs, control_topic
-from schemas.codec import encode_event, event_headers
 from schemas.dead_letter import DeadLetter
-from schemas.envelope import Event, utcnow
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport.settings import KafkaSettings
@@ -62,7 +60,7 @@ dead_letters = app.topic(registry.name(Topic.DEAD_LETTER), internal=False, **RAW
 control = app.topic(control_topic(kafka, conf.app_id), partitions=PARTITIONS, internal=False, **RAW)
 
 
-def _table(name: str, help: str) -> faust.Table:
+def _table(name: str, help: str) -> TableT[bytes, bytes]:
     return app.Table(name, partitions=PARTITIONS, extra_topic_configs=changelog_configs(kafka), help=help,
                      key_type=bytes, value_type=bytes, schema=faust.Schema(**RAW))
 
@@ -74,16 +72,10 @@ tables = Tables(
 )
 
 
-async def _send(topic: faust.TopicT, event: Event, partition: int | None = None) -> asyncio.Future:
-    stamped = event.model_copy(update={"emitted_at": utcnow(), "source": event.source or SOURCE})
-    return await topic.send(key=stamped.key(), value=encode_event(stamped), headers=event_headers(stamped),
-                            partition=partition)
-
-
 async def send_trajectory(trajectory: Trajectory, partition: int) -> None:
-    future = await _send(trajectories, trajectory, partition)
+    future = await send_event(trajectories, trajectory, SOURCE, partition)
 
-    def done(fut: asyncio.Future) -> None:
+    def done(fut: asyncio.Future[RecordMetadata]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             logger.error("trajectory %s of %s not recorded: %r", trajectory.event_id, trajectory.session_id,
                          None if fut.cancelled() else fut.exception())
@@ -95,7 +87,7 @@ async def send_trajectory(trajectory: Trajectory, partition: int) -> None:
 
 
 async def send_dead_letter(letter: DeadLetter) -> None:
-    await (await _send(dead_letters, letter))
+    await (await send_event(dead_letters, letter, SOURCE))
 
 
 async def send_control(session_id: str, partition: int, record: dict) -> None:
@@ -159,6 +151,7 @@ async def sessions(stream: faust.StreamT) -> None:
     the table writes it caused are flushed, every ``batch_records`` records or ``batch_ms``, whichever
     comes first. A session's state is written once per flush however many of its records came in.
     """
+    assert isinstance(stream, faust.Stream)  # declared as StreamT, which has no noack()
     async for event in stream.noack().events():
         unflushed.append(event)
         if conf.transport_only:  # benchmarks: what Faust and the broker cost with no work done
@@ -178,26 +171,26 @@ async def flush_timer() -> None:
 @app.timer(conf.tick_s)
 async def deadlines() -> None:
     """Ask the agent to build sessions that are due (ended and read up to, or past their deadline)."""
-    if app.rebalancing or not app.tables.recovery.completed.is_set():
+    if app.rebalancing or not tables_recovered(app):
         aggregator.progress.active_since = None
         return
     actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
     await aggregator.tick(actives)
 
 
-@app.on_partitions_revoked.connect
-async def _revoked(sender: faust.App, revoked: set[TP], **kwargs: object) -> None:
+@on_partitions(app.on_partitions_revoked)
+async def _revoked(revoked: set[TP]) -> None:
     flush()  # still ours: write what was done and acknowledge it before the offsets are committed
 
 
-@app.on_partitions_assigned.connect
-async def _assigned(sender: faust.App, assigned: set[TP], **kwargs: object) -> None:
+@on_partitions(app.on_partitions_assigned)
+async def _assigned(assigned: set[TP]) -> None:
     unflushed.clear()  # anything not flushed is read again from the committed offsets
     aggregator.reset({tp.partition for tp in assigned if tp.topic == control.get_topic_name()})
 
 
-@app.on_before_shutdown.connect
-async def _stopping(sender: faust.App, **kwargs: object) -> None:
+@on_signal(app.on_before_shutdown)
+async def _stopping() -> None:
     flush()  # a clean stop leaves nothing to redo
     await log_reader.stop()
 

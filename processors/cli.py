@@ -11,8 +11,6 @@ from datetime import datetime
 
 import typer
 
-app = typer.Typer(help="Trajectory processors.", add_completion=False)
-
 
 def run() -> None:
     """Run a trajectory worker (Faust) in the foreground: completions + session events -> trajectories."""
@@ -42,7 +40,3 @@ def rebuild(builder: str = typer.Option(..., "--builder", help="per_request or p
                                                                    sessions=frozenset(sessions or ()))))
     for name, value in result.items():
         typer.echo(f"{name}={value}")
-
-
-app.command("processors", help="Run a trajectory worker (Faust) in the foreground.")(run)
-app.command("rebuild", help="Re-derive trajectories from the log with a builder, to a topic.")(rebuild)

@@ -1,4 +1,5 @@
-"""What rollwire's Faust workers (trajectories, groups) share: the app settings and how a worker starts.
+"""What rollwire's Faust workers (trajectories, groups) share: the app settings, typed access to the parts
+of Faust its type declarations leave loose (signals, table recovery, sends), and how a worker starts.
 
 Both are at-least-once consumer groups over external topics with RocksDB (or memory) tables, no
 aiohttp web server and no leader topic; both keep their state under the Kafka cluster's id
@@ -10,14 +11,30 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+import faust
+from faust.tables.manager import TableManager
+from faust.types import TP, RecordMetadata
+from mode.types.signals import BaseSignalT
 
 from processors.state import cluster_state_dir
+from schemas.codec import encode_record
+from schemas.envelope import Event
 from schemas.transport.settings import KafkaSettings
 
+
+class Codecs(TypedDict):
+    """The serializer arguments of a Faust topic, table or schema."""
+
+    key_serializer: str
+    value_serializer: str
+
+
 # Raw bytes in and out: our codecs (schemas.codec) decode and validate, Faust only moves records.
-RAW: dict[str, str] = {"key_serializer": "raw", "value_serializer": "raw"}
+RAW: Codecs = {"key_serializer": "raw", "value_serializer": "raw"}
 
 
 def app_settings(kafka: KafkaSettings, *, store: str, data_dir: Path, partitions: int,
@@ -57,3 +74,57 @@ def run_worker(app_module: str, *, kafka: KafkaSettings, data_dir: Path, data_di
     # debug line of aiokafka and Faust makes a LogRecord: about a tenth of the worker's CPU. Not wanted.
     worker.spinner = None
     worker.execute_from_commandline()
+
+
+async def send_event(topic: faust.TopicT, event: Event, source: str,
+                     partition: int | None = None) -> asyncio.Future[RecordMetadata]:
+    """Stamp and encode ``event`` (schemas.codec.encode_record) and hand it to the producer; returns the
+    future the broker's acknowledgement resolves, without waiting for it."""
+    record = encode_record(event, source)
+    future = await topic.send(key=record.key, value=record.value, headers=record.headers, partition=partition)
+    # Declared as a bare Awaitable; a topic's send returns the producer's asyncio future.
+    assert isinstance(future, asyncio.Future)
+    return future
+
+
+def tables_recovered(app: faust.App) -> bool:
+    """Whether the app's tables are recovered (their changelogs read back since the last assignment)."""
+    manager = app.tables
+    # The declared TableManagerT has no ``recovery``; the table manager Faust uses (TableManager) has.
+    assert isinstance(manager, TableManager)
+    return manager.recovery.completed.is_set()
+
+
+PartitionsHandler = Callable[[set[TP]], Awaitable[None]]
+Handler = Callable[[], Awaitable[None]]
+
+
+def on_partitions(app_signal: BaseSignalT[Any]) -> Callable[[PartitionsHandler], PartitionsHandler]:
+    """Decorator: run ``handler(partitions)`` on ``app.on_partitions_assigned`` or ``app.on_partitions_revoked``.
+
+    Faust calls a signal's receivers as ``receiver(app, partitions, signal=...)``, while mode declares a
+    receiver as ``(sender, /, *args, signal, **kwargs)``: the receiver connected here has that declared
+    shape and hands the handler the partitions."""
+
+    def connect(handler: PartitionsHandler) -> PartitionsHandler:
+        async def receiver(sender: Any, /, *args: Any, signal: BaseSignalT[Any], **kwargs: Any) -> None:
+            (partitions,) = args
+            await handler(partitions)
+
+        app_signal.connect(receiver)  # a strong reference (mode's default): the receiver lives as long as the app
+        return handler
+
+    return connect
+
+
+def on_signal(app_signal: BaseSignalT[Any]) -> Callable[[Handler], Handler]:
+    """Decorator: run ``handler()`` on a signal that carries no arguments (``app.on_before_shutdown``)."""
+
+    def connect(handler: Handler) -> Handler:
+        async def receiver(sender: Any, /, *args: Any, signal: BaseSignalT[Any], **kwargs: Any) -> None:
+            await handler()
+
+        app_signal.connect(receiver)
+        return handler
+
+    return connect

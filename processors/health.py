@@ -13,6 +13,8 @@ from typing import Any
 import faust
 import orjson
 
+from processors.faust_worker import tables_recovered
+
 
 async def serve_health(app: faust.App, host: str, port: int, counters: Callable[[], dict[str, Any]]) -> None:
     """Answer health requests on ``host:port`` until cancelled."""
@@ -20,7 +22,7 @@ async def serve_health(app: faust.App, host: str, port: int, counters: Callable[
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await asyncio.wait_for(reader.readline(), 5)
-            ok = app.tables.recovery.completed.is_set() and not app.rebalancing
+            ok = tables_recovered(app) and not app.rebalancing
             body = orjson.dumps({"ok": ok, **counters()})
             status = b"200 OK" if ok else b"503 Service Unavailable"
             writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "

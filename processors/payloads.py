@@ -9,7 +9,8 @@ small :class:`~processors.sessions.CallRef` (partition, offset) per completion, 
   records are read. It is derived data: lost on restart, trimmed on rebalance, evicted oldest-first when
   over budget; a record at an offset never changes, so a cached value is never stale.
 - the log itself, read back by offset with :class:`LogReader` when the cache misses (after a restart,
-  a rebalance, or an eviction): one plain consumer (no group, nothing committed), assign + seek.
+  a rebalance, or an eviction): one manually assigned EventConsumer (no group, nothing committed) that
+  returns the record values undecoded (the aggregator validates them when it builds).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import asyncio
 import logging
 from collections.abc import Collection, Iterable
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from schemas.topics import FRAMING_BYTES, Topic
+from schemas.transport import EventConsumer, KafkaSettings, TransportError, topic_spec
 
 logger = logging.getLogger(__name__)
 
@@ -73,54 +74,41 @@ class PayloadCache:
 class LogReader:
     """Reads records of one topic back by (partition, offset), for cache misses."""
 
-    def __init__(self, bootstrap: str, topic: str, *, fetch_bytes: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, bootstrap: str, topic: str, *, fetch_bytes: int, timeout_s: float = 30.0,
+                 settings: KafkaSettings | None = None) -> None:
         self.bootstrap, self.topic = bootstrap, topic
         self.fetch_bytes, self.timeout_s = fetch_bytes, timeout_s
-        self._consumer: AIOKafkaConsumer | None = None
+        # The fetch size is one largest record plus its framing: the settings' size limit, given back.
+        self.settings = (settings or KafkaSettings()).model_copy(
+            update={"kafka_bootstrap": bootstrap, "max_message_bytes": fetch_bytes - FRAMING_BYTES})
+        self._consumer: EventConsumer | None = None
         self._lock = asyncio.Lock()
 
-    async def _started(self) -> AIOKafkaConsumer:
+    async def _started(self) -> EventConsumer:
         if self._consumer is None:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
-                                        auto_offset_reset="earliest", max_partition_fetch_bytes=self.fetch_bytes,
-                                        isolation_level="read_uncommitted")
+            # The worker (Faust, at least once) reads uncommitted records, so an offset it remembers may lie
+            # past the last stable offset: read them back the same way.
+            spec = topic_spec(self.settings, self.topic, like=Topic.COMPLETIONS)
+            consumer = EventConsumer(self.settings, [spec], group_id=None, service="payloads", dead_letters=False,
+                                     manual=True, read_committed=False)
             try:
                 await consumer.start()
-            except KafkaError as exc:
-                raise LogReadError(f"cannot reach Kafka at {self.bootstrap}: {exc!r}") from exc
+            except TransportError as exc:
+                raise LogReadError(f"cannot reach Kafka at {self.bootstrap}: {exc}") from exc
             self._consumer = consumer
         return self._consumer
 
     async def read(self, partition: int, offsets: Iterable[int]) -> dict[int, bytes]:
         """The values at ``offsets`` of ``partition``; offsets no longer in the log are absent."""
         wanted = set(offsets)
-        found: dict[int, bytes] = {}
         if not wanted:
-            return found
+            return {}
         async with self._lock:
             consumer = await self._started()
-            tp = TopicPartition(self.topic, partition)
             try:
-                consumer.assign([tp])
-                start = (await consumer.beginning_offsets([tp]))[tp]
-                end = (await consumer.end_offsets([tp]))[tp]
-                wanted = {o for o in wanted if start <= o < end}
-                if not wanted:
-                    return found
-                consumer.seek(tp, min(wanted))
-                last = max(wanted)
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + self.timeout_s
-                while wanted.difference(found) and loop.time() < deadline:
-                    batch = await consumer.getmany(tp, timeout_ms=500)
-                    for record in batch.get(tp, ()):
-                        if record.offset in wanted and record.value is not None:
-                            found[record.offset] = record.value
-                    if await consumer.position(tp) > last:
-                        break
-            except KafkaError as exc:
-                raise LogReadError(f"reading {self.topic}[{partition}] back failed: {exc!r}") from exc
-        return found
+                return await consumer.read_values(partition, wanted, timeout_s=self.timeout_s)
+            except TransportError as exc:
+                raise LogReadError(f"reading {self.topic}[{partition}] back failed: {exc}") from exc
 
     async def stop(self) -> None:
         if self._consumer is not None:

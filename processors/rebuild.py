@@ -3,9 +3,10 @@
 Reads ``sessions``, ``session-events`` and ``completions`` from the beginning up to their current ends
 with a plain consumer (no group, nothing committed), groups the events by session, builds every selected
 session that has ended with the builder asked for, and writes the Trajectory events to the target topic
-(created, co-partitioned with the session topics, if it is missing). Sessions without an end event are
-skipped (still running, or abandoned: the worker builds those as partial). The builders are pure, so
-rebuilding with the same builder gives the same event ids as the worker did.
+with the typed producer (the topic is created like the registry's ``trajectories`` if it is missing).
+Sessions without an end event are skipped (still running, or abandoned: the worker builds those as
+partial). The builders are pure, so rebuilding with the same builder gives the same event ids as the
+worker did.
 
 It holds the selected sessions' events in memory while it reads: select with ``--sessions`` or
 ``--from`` on a large log.
@@ -13,24 +14,17 @@ It holds the selected sessions' events in memory while it reads: select with ``-
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
 from processors.builders import SessionFacts, build_trajectory, get_builder
-from schemas.codec import encode_event, event_headers
 from schemas.completions import Completion
-from schemas.envelope import utcnow
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic
-from schemas.transport import EventConsumer
+from schemas.trajectories import Trajectory
+from schemas.transport import EventConsumer, EventProducer, ExtraTopic, ensure_topics
 from schemas.transport.settings import KafkaSettings
-
-_TOPIC_ALREADY_EXISTS = 36
 
 
 @dataclass(frozen=True)
@@ -72,34 +66,37 @@ async def read_log(settings: KafkaSettings, request: RebuildRequest) -> dict[str
                     session.latest = r.event.occurred_at
             if received:
                 idle_rounds = 0
-            elif await consumer.lag() == 0 and consumer._consumer.assignment():
+            elif await consumer.lag() == 0 and consumer.assignment():
                 break
             else:
                 idle_rounds += 1
-                if idle_rounds > 20 and not consumer._consumer.assignment():
+                if idle_rounds > 20 and not consumer.assignment():
                     break  # nothing to read at all
     return sessions
 
 
 async def _ensure_topic(settings: KafkaSettings, name: str) -> None:
-    spec = settings.registry().spec(Topic.TRAJECTORIES)
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    await admin.start()
-    try:
-        if name in set(await admin.list_topics()):
-            return
-        response = await admin.create_topics([NewTopic(name, spec.partitions, 1,
-                                                       topic_configs=spec.configs(settings.max_message_bytes))])
-        for entry in response.topic_errors:
-            if entry[1] not in (0, _TOPIC_ALREADY_EXISTS):
-                raise RuntimeError(f"creating {name} failed: error code {entry[1]}")
-        for _ in range(100):
-            described = await admin.describe_topics([name])
-            if described and described[0]["error_code"] == 0 and described[0]["partitions"]:
-                return
-            await asyncio.sleep(0.1)
-    finally:
-        await admin.close()
+    """The target topic, created like the registry's trajectories topic if it is missing."""
+    await ensure_topics(settings, [ExtraTopic.like(settings.registry().spec(Topic.TRAJECTORIES), name)])
+
+
+def _trajectories(sessions: dict[str, _Session], request: RebuildRequest, since: datetime | None,
+                  counts: dict[str, int]) -> list[Trajectory]:
+    """The trajectory of every selected session that has ended, in session id order; counts what it skips."""
+    out = []
+    for session_id in sorted(sessions):
+        session = sessions[session_id]
+        if since is not None and (session.latest is None or session.latest < since):
+            continue
+        if session.end is None:
+            counts["open_skipped"] += 1
+            continue
+        spec, end = session.spec, session.end
+        facts = SessionFacts(session_id=session_id, task_id=(spec.task_id if spec else None) or end.task_id,
+                             policy_version=spec.policy_version if spec else None, status=end.status,
+                             failure=end.failure, partial=False, ended_at=end.occurred_at)
+        out.append(build_trajectory(request.builder, session.completions, facts))
+    return out
 
 
 async def rebuild(settings: KafkaSettings, request: RebuildRequest) -> dict[str, Any]:
@@ -110,31 +107,10 @@ async def rebuild(settings: KafkaSettings, request: RebuildRequest) -> dict[str,
         since = since.replace(tzinfo=timezone.utc)
     sessions = await read_log(settings, request)
     await _ensure_topic(settings, request.to_topic)
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all", enable_idempotence=True,
-                                compression_type="zstd", max_request_size=settings.max_message_bytes,
-                                linger_ms=settings.kafka_linger_ms)
-    await producer.start()
     counts = {"sessions_read": len(sessions), "trajectories": 0, "open_skipped": 0, "traces": 0}
-    try:
-        futures = []
-        for session_id in sorted(sessions):
-            session = sessions[session_id]
-            if since is not None and (session.latest is None or session.latest < since):
-                continue
-            if session.end is None:
-                counts["open_skipped"] += 1
-                continue
-            spec, end = session.spec, session.end
-            facts = SessionFacts(session_id=session_id, task_id=(spec.task_id if spec else None) or end.task_id,
-                                 policy_version=spec.policy_version if spec else None, status=end.status,
-                                 failure=end.failure, partial=False, ended_at=end.occurred_at)
-            trajectory = build_trajectory(request.builder, session.completions, facts)
-            stamped = trajectory.model_copy(update={"emitted_at": utcnow(), "source": "rebuild"})
-            futures.append(await producer.send(request.to_topic, encode_event(stamped), key=session_id.encode(),
-                                               headers=event_headers(stamped)))
-            counts["trajectories"] += 1
-            counts["traces"] += len(trajectory.traces)
-        await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
+    trajectories = _trajectories(sessions, request, since, counts)
+    async with EventProducer(settings, service="rebuild") as producer:
+        await producer.send_many(trajectories, to=request.to_topic)
+    counts["trajectories"] = len(trajectories)
+    counts["traces"] = sum(len(t.traces) for t in trajectories)
     return counts

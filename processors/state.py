@@ -12,27 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
-
-
-async def cluster_id(bootstrap: str) -> str:
-    """The cluster id the brokers at ``bootstrap`` report."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    try:
-        await admin.start()
-        found = (await admin.describe_cluster()).get("cluster_id")
-    except KafkaError as exc:
-        raise RuntimeError(f"Kafka at {bootstrap} did not say its cluster id: {exc!r}") from exc
-    finally:
-        await admin.close()
-    if not found:
-        raise RuntimeError(f"Kafka at {bootstrap} reports no cluster id")
-    return str(found)
+from schemas.transport.admin import cluster_id
 
 
 async def cluster_state_dir(base: Path, bootstrap: str) -> Path:
-    """``base/cluster-<id>``, created."""
+    """``base/cluster-<id>``, created; TransportError if the cluster does not say its id."""
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", await cluster_id(bootstrap))
     path = base / f"cluster-{safe}"
     path.mkdir(parents=True, exist_ok=True)

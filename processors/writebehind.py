@@ -44,9 +44,9 @@ class BufferedTable:
         for key, value in self.table.items():
             if key not in self.pending:
                 yield key, value
-        for key, (_, value) in self.pending.items():
-            if value is not None:
-                yield key, value
+        for key, (_, pending) in self.pending.items():
+            if pending is not None:
+                yield key, pending
 
     def _apply(self, key: bytes, value: bytes | None) -> None:
         if value is not None:

@@ -65,7 +65,15 @@ from proxy.errors import BadRequest, ProxyError
 from proxy.limits import MAX_JSON_DEPTH, json_depth_error
 from proxy.providers import ParsedCall, Route, bad_request, validate_body
 from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
-from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
+from schemas.completions import (
+    ChatMessage,
+    ContentPart,
+    NormalizedRequest,
+    ProviderApi,
+    SamplingParams,
+    ToolCall,
+    ToolDefinition,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +226,7 @@ def _text_parts(blocks: list[Any], where: str, *, references: bool = False) -> l
 
 def _referenced_tools(request: MessagesRequest) -> set[str]:
     """Names of deferred tools a tool search loaded: ``tool_reference`` blocks in tool results."""
-    names = set()
+    names: set[str] = set()
     for message in request.messages:
         for block in message.content if isinstance(message.content, list) else ():
             if not isinstance(block, dict) or block.get("type") != "tool_result":
@@ -575,7 +583,7 @@ def error_body(error: ProxyError) -> dict[str, Any]:
 class MessagesApi:
     """``POST /v1/messages`` (and ``/v1/messages/count_tokens``)."""
 
-    name = "anthropic.messages"
+    name: ProviderApi = "anthropic.messages"
     stream_media_type = "text/event-stream"
 
     def parse(self, document: Any, route: Route) -> ParsedCall:

@@ -34,11 +34,11 @@ from proxy.engine import VllmEngine
 from proxy.errors import CaptureFailed, NotFound, ProxyError, UpgradeRequired, as_proxy_error
 from proxy.limits import check_request, decode_json_body, read_body, require_json_media_type
 from proxy.metrics import ProxyMetrics
-from proxy.providers import ParsedCall, ProviderApi, Route
-from proxy.sessions import LiveSession, RegistryFeed, SessionRegistry
+from proxy.providers import ParsedCall, ProviderAdapter, Route
+from proxy.session_registry import LiveSession, RegistryFeed, SessionRegistry
 from proxy.settings import ProxySettings
 from schemas.api import SessionCreate, SessionCreated, SessionEnd, SessionState
-from schemas.completions import NormalizedRequest
+from schemas.completions import NormalizedRequest, ProviderApi
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.transport import KafkaSettings
 
@@ -88,7 +88,8 @@ def _retry_count(header: str) -> int:
     return min(int(header), _MAX_RETRY_COUNT)
 
 
-def _context(request: Request, api: str, session: LiveSession, raw: bytes | None, keep_body: bool) -> CallContext:
+def _context(request: Request, api: ProviderApi, session: LiveSession, raw: bytes | None,
+             keep_body: bool) -> CallContext:
     """Number the call (from here on it will have an event) and gather what is known before parsing."""
     digest = body_digest(raw) if raw is not None else None
     retry_count = _retry_count(request.headers.get("x-stainless-retry-count", "0"))
@@ -106,7 +107,7 @@ def _context(request: Request, api: str, session: LiveSession, raw: bytes | None
 _PARSE_INLINE_BYTES = 256 * 1024
 
 
-async def _parse(provider: ProviderApi, raw: bytes, route: Route) -> tuple[Any, ParsedCall]:
+async def _parse(provider: ProviderAdapter, raw: bytes, route: Route) -> tuple[Any, ParsedCall]:
     def parse() -> tuple[Any, ParsedCall]:
         document = decode_json_body(raw)
         call = provider.parse(document, route)
@@ -161,7 +162,7 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         return request.app.state.proxy
 
     # -- provider APIs ------------------------------------------------------------------------------
-    async def serve_call(request: Request, provider: ProviderApi, session_id: str | None,
+    async def serve_call(request: Request, provider: ProviderAdapter, session_id: str | None,
                          route: Route = _NO_ROUTE, refusal: ProxyError | None = None) -> Response:
         """One model call on any provider API: the one place that authenticates it, reads its body within
         limits, and turns any failure into a recorded failed call and an answer in the provider's shape.
@@ -301,8 +302,9 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         return await gemini_call(request, session_id, target)
 
     # -- sessions -----------------------------------------------------------------------------------
-    @app.post("/v1/sessions", status_code=201)
-    async def create_session(request: Request, body: SessionCreate) -> SessionCreated:
+    # The response models are named: a refusal is returned as a JSONResponse, which FastAPI sends as it is.
+    @app.post("/v1/sessions", status_code=201, response_model=SessionCreated)
+    async def create_session(request: Request, body: SessionCreate) -> SessionCreated | JSONResponse:
         state = state_of(request)
         session_id = body.session_id or f"adhoc-{secrets.token_hex(8)}"
         api_key = body.api_key or f"rw-{secrets.token_urlsafe(24)}"
@@ -319,16 +321,16 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         return SessionCreated(session_id=session_id, api_key=api_key,
                               base_urls={"openai": f"{base}/v1", "anthropic": base, "gemini": base})
 
-    @app.get("/v1/sessions/{session_id}")
-    async def get_session(request: Request, session_id: str) -> SessionState:
+    @app.get("/v1/sessions/{session_id}", response_model=SessionState)
+    async def get_session(request: Request, session_id: str) -> SessionState | JSONResponse:
         session = state_of(request).registry.get(session_id)
         if session is None:
             return _api_error(404, f"no session {session_id!r}")
         return SessionState(session_id=session_id, live=not session.ended, calls=session.next_sequence,
                             origin=session.spec.origin)
 
-    @app.post("/v1/sessions/{session_id}/end")
-    async def end_session(request: Request, session_id: str, body: SessionEnd) -> SessionState:
+    @app.post("/v1/sessions/{session_id}/end", response_model=SessionState)
+    async def end_session(request: Request, session_id: str, body: SessionEnd) -> SessionState | JSONResponse:
         state = state_of(request)
         session = state.registry.get(session_id)
         if session is None:
@@ -391,7 +393,7 @@ async def _publish(state: ProxyState, event: SessionSpec | SessionEnded) -> JSON
     return None
 
 
-def _api_error(status: int, detail: str) -> Any:
+def _api_error(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status)
 
 

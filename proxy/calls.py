@@ -40,7 +40,7 @@ from proxy.errors import (
 )
 from proxy.metrics import ProxyMetrics
 from proxy.providers import Renderer
-from proxy.sessions import LiveSession
+from proxy.session_registry import LiveSession
 from proxy.token_api import TokenApi, TokenApiMissing
 from schemas.completions import ChatMessage, Continuation, NormalizedRequest
 from schemas.envelope import utcnow

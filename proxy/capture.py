@@ -21,12 +21,14 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from proxy.engine import EngineTurn
 from proxy.errors import CaptureFailed, ProxyError, UnrecordableEvent
+from schemas.arrays import Logprobs, TokenIds
 from schemas.completions import (
     AssistantMessage,
+    CallError,
     CallTimings,
     Completion,
     Continuation,
@@ -96,30 +98,35 @@ def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineT
     timings = CallTimings(received_at=ctx.received_at, upstream_started_at=ctx.upstream_started_at,
                           first_token_at=ctx.first_token_at, finished_at=finished,
                           ttft_ms=_ms(ctx.received_at, ctx.first_token_at), total_ms=_ms(ctx.received_at, finished))
-    fields = dict(
+    status: Literal["ok", "error"] = "ok"
+    call_error: CallError | None = None
+    tokens: EngineTurn | None = turn  # the turn whose token ids the event keeps
+    logprobs: list[float | None] | None = None
+    finish_reason: str | None = None
+    message: AssistantMessage | None = None
+    if error is not None:
+        status, call_error = "error", error.call_error()
+        # A failed call keeps what the engine had sampled before it failed, if anything.
+        tokens = turn if turn is not None and turn.token_ids else None
+        if tokens is not None and len(tokens.logprobs) == len(tokens.token_ids):
+            logprobs = tokens.logprobs
+    else:
+        assert turn is not None
+        logprobs = turn.logprobs or None
+        finish_reason = turn.finish_reason
+        message = AssistantMessage(content=turn.content, reasoning=turn.reasoning, tool_calls=turn.tool_calls)
+    return Completion(
         session_id=ctx.session_id, task_id=ctx.task_id, sequence=ctx.sequence, agent_hints=ctx.agent_hints,
         api=ctx.api, requested_model=ctx.requested_model, served_model=ctx.served_model,
         policy_version=ctx.policy_version, request=request, request_digest=ctx.digest, request_body=ctx.body,
         retry_of=ctx.retry_of, retry_count=ctx.retry_count, timings=timings,
         continuation=ctx.continuation, weight_versions=ctx.weight_versions,
-    )
-    if error is not None:
-        partial = turn is not None and bool(turn.token_ids)
-        return Completion(
-            **fields, status="error", error=error.call_error(),
-            prompt_token_ids=turn.prompt_token_ids if partial else None,
-            token_ids=turn.token_ids if partial else None,
-            logprobs=turn.logprobs if partial and len(turn.logprobs) == len(turn.token_ids) else None,
-            usage=turn.usage if partial else Usage(),
-        )
-    assert turn is not None
-    return Completion(
-        **fields, status="ok",
-        prompt_token_ids=turn.prompt_token_ids, token_ids=turn.token_ids,
-        logprobs=turn.logprobs if turn.logprobs else None,
-        finish_reason=turn.finish_reason,
-        message=AssistantMessage(content=turn.content, reasoning=turn.reasoning, tool_calls=turn.tool_calls),
-        usage=turn.usage,
+        status=status, error=call_error,
+        prompt_token_ids=TokenIds(tokens.prompt_token_ids) if tokens is not None else None,
+        token_ids=TokenIds(tokens.token_ids) if tokens is not None else None,
+        logprobs=Logprobs(logprobs) if logprobs is not None else None,
+        finish_reason=finish_reason, message=message,
+        usage=tokens.usage if tokens is not None else Usage(),
     )
 
 

@@ -21,7 +21,6 @@ from proxy.settings import ProxySettings
 from schemas.api import SessionCreate, SessionEnd
 from schemas.tasks import EngineParams
 
-app = typer.Typer(help="The gateway proxy.", no_args_is_help=True)
 session_app = typer.Typer(help="Ad-hoc sessions on a running proxy.", no_args_is_help=True)
 
 USAGE_ERROR = 2  # a bad option value: nothing was sent
@@ -29,14 +28,14 @@ FAILED = 1  # the proxy could not be reached or refused the request
 HTTP_TIMEOUT_S = 30.0
 
 
-@app.command("run")
 def run(host: str = typer.Option(None, help="Listen address (ROLLWIRE_PROXY_HOST)."),
         port: int = typer.Option(None, help="Listen port (ROLLWIRE_PROXY_PORT)."),
         engine_url: str = typer.Option(None, help="vLLM OpenAI server (ROLLWIRE_ENGINE_URL).")) -> None:
     """Serve the proxy in the foreground."""
     from proxy.app import create_app
 
-    overrides = {k: v for k, v in {"proxy_host": host, "proxy_port": port, "engine_url": engine_url}.items() if v}
+    given = {"proxy_host": host, "proxy_port": port, "engine_url": engine_url}
+    overrides: dict[str, Any] = {name: value for name, value in given.items() if value}
     settings = ProxySettings(**overrides)
     uvicorn.run(create_app(settings), host=settings.proxy_host, port=settings.proxy_port, log_level="warning",
                 access_log=False)

@@ -9,7 +9,7 @@ Every provider API is normalized into one request form and sent here as a chat c
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -363,7 +363,7 @@ class VllmEngine:
             raise EngineFailed(f"engine reply is not JSON: {response.text[:200]}") from exc
         return _parsed(parse_response, document)
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[EngineDelta]:
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[EngineDelta, None]:
         """The engine's streamed reply, chunk by chunk; closing the iterator cancels the request."""
         try:
             async with self._client.stream("POST", "/v1/chat/completions", content=orjson.dumps(body),

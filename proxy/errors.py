@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from schemas.completions import CallError
+from schemas.completions import CallError, CallErrorKind
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 class ProxyError(Exception):
     """Base class: a model call that cannot be served as asked."""
 
-    kind: str = "internal"
+    kind: CallErrorKind = "internal"
     status_code: int = 500
     param: str | None = None
     #: set once a failed-call event for this error has been written (or tried): never recorded twice
@@ -35,7 +35,8 @@ class ProxyError(Exception):
 class BadRequest(ProxyError):
     """The request is malformed or asks for something unsupported."""
 
-    kind, status_code = "bad_request", 400
+    kind: CallErrorKind = "bad_request"  # declared again: subclasses name other kinds
+    status_code = 400
 
 
 class PayloadTooLarge(BadRequest):

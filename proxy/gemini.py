@@ -54,7 +54,15 @@ from proxy.engine import EngineDelta, EngineTurn
 from proxy.errors import BadRequest, ProxyError
 from proxy.providers import ParsedCall, Route, validate_body
 from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
-from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
+from schemas.completions import (
+    ChatMessage,
+    ContentPart,
+    NormalizedRequest,
+    ProviderApi,
+    SamplingParams,
+    ToolCall,
+    ToolDefinition,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -477,7 +485,8 @@ class GeminiRenderer:
         return part
 
     def _call_parts(self, turn: EngineTurn) -> tuple[list[dict[str, Any]], bool]:
-        parts, malformed = [], False
+        parts: list[dict[str, Any]] = []
+        malformed = False
         signature = self._signature()
         for call in turn.tool_calls:
             args = arguments_object(call.arguments)
@@ -580,7 +589,7 @@ def error_body(error: ProxyError) -> dict[str, Any]:
 class GeminiApi:
     """``POST /v1beta/models/{model}:generateContent`` and ``:streamGenerateContent?alt=sse``."""
 
-    name = "gemini"
+    name: ProviderApi = "gemini"
     stream_media_type = "text/event-stream"
 
     def parse(self, document: Any, route: Route) -> ParsedCall:

@@ -18,6 +18,7 @@ the proxy buffer more than the limit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -38,6 +39,7 @@ def json_depth_error(document: Any, max_depth: int = MAX_JSON_DEPTH) -> str | No
     stack: list[tuple[Any, int, str]] = [(document, 1, "")]
     while stack:
         value, depth, path = stack.pop()
+        children: Iterable[tuple[Any, Any]]
         if isinstance(value, dict):
             children = value.items()
         elif isinstance(value, list):

@@ -3,6 +3,8 @@ were built (exact continuations, new branches and why, drift a full re-render wo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from schemas.completions import Continuation
@@ -44,7 +46,10 @@ class ProxyMetrics:
         self.continuations.labels(api=api, mode=continuation.mode, opened=continuation.opened or "").inc()
         drift = continuation.drift
         if drift is not None:
-            for kind in drift.kinds or (["none"] if not drift.differs else []):
+            kinds: Sequence[str] = drift.kinds
+            if not kinds and not drift.differs:
+                kinds = ["none"]
+            for kind in kinds:
                 self.drift.labels(api=api, kind=kind).inc()
 
     def render(self, session_counts: dict[str, int]) -> bytes:

@@ -20,7 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
 from proxy.providers import ParsedCall, Route, validate_body
-from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
+from schemas.completions import (
+    ChatMessage,
+    ContentPart,
+    NormalizedRequest,
+    ProviderApi,
+    SamplingParams,
+    ToolCall,
+    ToolDefinition,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +277,7 @@ def error_body(error: ProxyError) -> dict[str, Any]:
 class ChatCompletionsApi:
     """``POST /v1/chat/completions``."""
 
-    name = "openai.chat"
+    name: ProviderApi = "openai.chat"
     stream_media_type = "text/event-stream"
 
     def parse(self, document: Any, route: Route) -> ParsedCall:

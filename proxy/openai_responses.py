@@ -71,7 +71,15 @@ from proxy.errors import BadRequest, ProxyError
 from proxy.openai_chat import error_body as openai_error_body
 from proxy.providers import ParsedCall, Route, bad_request, validate_body
 from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
-from schemas.completions import ChatMessage, ContentPart, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
+from schemas.completions import (
+    ChatMessage,
+    ContentPart,
+    NormalizedRequest,
+    ProviderApi,
+    SamplingParams,
+    ToolCall,
+    ToolDefinition,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -365,8 +373,9 @@ def _reasoning_text(item: ReasoningItem, where: str, budget: ReasoningBudget) ->
     content = item.content
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "reasoning_text"]
-        if texts and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
+        strings = [t for t in texts if isinstance(t, str)]
+        if texts and len(strings) == len(texts):
+            return "".join(strings)
     if encrypted:
         logger.info("reasoning item %s: encrypted_content not made by this proxy, reasoning dropped", item.id)
     return None
@@ -411,7 +420,7 @@ class _Builder:
                                                                               or last["tool_calls"]))
             if not blocked:
                 return last
-        message = {"role": "assistant", "content": None, "reasoning": None, "tool_calls": []}
+        message: dict[str, Any] = {"role": "assistant", "content": None, "reasoning": None, "tool_calls": []}
         self.messages.append(message)
         return message
 
@@ -605,6 +614,7 @@ class ResponsesRenderer:
         entry.closed = True
         text = "".join(entry.text)
         item_id, index = entry.item["id"], entry.index
+        part: dict[str, Any]
         if entry.item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             entry.item = self._reasoning_item(text, item_id)
@@ -625,6 +635,8 @@ class ResponsesRenderer:
         chunks: list[bytes] = []
         if self._open is None or self._open.item["type"] != kind:
             chunks += self._close_text_item()
+            item: dict[str, Any]
+            part: dict[str, Any]
             if kind == "reasoning":
                 item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": []}
                 part = {"type": "reasoning_text", "text": ""}
@@ -638,7 +650,7 @@ class ResponsesRenderer:
         entry = self._open
         entry.text.append(text)
         kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         chunks.append(self._event(kind_event, item_id=entry.item["id"], output_index=entry.index, content_index=0,
                                   delta=text, **extra))
         return chunks
@@ -717,7 +729,7 @@ class ResponsesRenderer:
 class ResponsesApi:
     """``POST /v1/responses``."""
 
-    name = "openai.responses"
+    name: ProviderApi = "openai.responses"
     stream_media_type = "text/event-stream"
 
     def parse(self, document: Any, route: Route) -> ParsedCall:

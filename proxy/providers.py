@@ -1,7 +1,7 @@
 """What a provider API module supplies to the proxy: parsing into the internal form, replies, errors.
 
 Each provider API (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages, Gemini) lives in a
-module of its own that exposes one :class:`ProviderApi`. The HTTP route that serves it is the same for
+module of its own that exposes one :class:`ProviderAdapter`. The HTTP route that serves it is the same for
 all of them (``proxy.app``): read the body, resolve the session, ``parse`` the request into a
 :class:`ParsedCall`, run it through :class:`~proxy.calls.CallService`, and answer with the call's
 renderer, or with ``error_body`` when anything raises a :class:`~proxy.errors.ProxyError`.
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from proxy.engine import EngineDelta, EngineTurn
 from proxy.errors import BadRequest, ProxyError
-from schemas.completions import NormalizedRequest, ProviderApi as ProviderApiName
+from schemas.completions import NormalizedRequest, ProviderApi
 
 
 logger = logging.getLogger(__name__)
@@ -91,10 +91,10 @@ class ParsedCall:
         return self.request.stream
 
 
-class ProviderApi(Protocol):
+class ProviderAdapter(Protocol):
     """One provider API: its name in completion events, request parsing and error shape."""
 
-    name: ProviderApiName
+    name: ProviderApi
     stream_media_type: str
 
     def parse(self, document: Any, route: Route) -> ParsedCall:

@@ -111,11 +111,15 @@ class CallTimings(Model):
     total_ms: float | None = Field(default=None, ge=0)
 
 
+CallErrorKind = Literal["bad_request", "payload_too_large", "unknown_session", "engine_unavailable",
+                       "engine_timeout", "context_overflow", "engine_error", "capture_failed", "client_disconnected",
+                       "internal"]
+
+
 class CallError(Model):
     """Why a call failed."""
 
-    kind: Literal["bad_request", "payload_too_large", "unknown_session", "engine_unavailable", "engine_timeout",
-                  "context_overflow", "engine_error", "capture_failed", "client_disconnected", "internal"]
+    kind: CallErrorKind
     message: str
     http_status: int | None = None
 

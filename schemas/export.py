@@ -46,7 +46,7 @@ def export_json_schemas(directory: Path, registry: TopicRegistry | None = None) 
         schema["$comment"] = f"rollwire event '{event_type}' on topic '{model.topic.value}', keyed by {model.key_field}"
         written.append(_write(directory / f"{event_type}.schema.json", schema))
     written.append(_write(directory / "event.schema.json", any_event_adapter.json_schema(mode="serialization")))
-    for model in API_MODELS:
-        written.append(_write(directory / f"{model.__name__}.schema.json", model.model_json_schema()))
+    for api_model in API_MODELS:
+        written.append(_write(directory / f"{api_model.__name__}.schema.json", api_model.model_json_schema()))
     written.append(_write(directory / "topics.json", topics_document(registry or TopicRegistry())))
     return written

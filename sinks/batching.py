@@ -77,7 +77,8 @@ class BatchArrays:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+        rows, columns = self.input_ids.shape
+        return rows, columns
 
 
 class BudgetError(ValueError):

@@ -24,35 +24,30 @@ Torch: the feed itself needs only numpy. With ``tensors="torch"`` (the default) 
 converted with a lazy ``import torch``, so rollwire's services and tests do not install torch; a training
 environment installs ``rollwire[train]`` (or already has torch). ``tensors="numpy"`` keeps numpy arrays.
 
-The Kafka clients run on an event loop in a background thread, so the consumer keeps heartbeating while
-the trainer computes (a training step may take minutes; ``max_poll_interval_s`` bounds it).
+The Kafka clients (an EventConsumer in the trainer's consumer group, with a rebalance listener) run on an
+event loop in a background thread, so the consumer keeps heartbeating while the trainer computes (a
+training step may take minutes; ``max_poll_interval_s`` bounds it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import importlib.util
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 import numpy as np
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
-from aiokafka.structs import OffsetAndMetadata
+from aiokafka import ConsumerRebalanceListener, TopicPartition
 
-from schemas.codec import EventDecodeError, decode_event
-from schemas.dead_letter import DeadLetter
 from schemas.groups import Group
 from schemas.topics import Topic
-from schemas.transport.errors import TransportError
-from schemas.transport.producer import EventProducer
+from schemas.transport import EventConsumer, Received, TransportError, topic_spec
 from schemas.transport.settings import KafkaSettings
 from sinks.batching import (
     BatchArrays,
@@ -232,7 +227,6 @@ class TrainerFeed(Iterator[Batch]):
                                     index_bytes=join_index_bytes)
         self._buffer: deque[_Entry] = deque()
         self._positions: dict[TopicPartition, int] = {}
-        self._seen: OrderedDict[str, None] = OrderedDict()
         self._dedupe_window = dedupe_window
         self._batch_number = 0
         self._acked_number = -1
@@ -242,8 +236,7 @@ class TrainerFeed(Iterator[Batch]):
                                         daemon=True)
         self._thread.start()
         # Created on the loop thread: aiokafka binds its clients to the running loop.
-        self._consumer: AIOKafkaConsumer | None = None
-        self._dead_letters: EventProducer | None = None
+        self._consumer: EventConsumer | None = None
         try:
             self._call(self._start(from_beginning, max_poll_interval_s))
         except BaseException:
@@ -263,29 +256,19 @@ class TrainerFeed(Iterator[Batch]):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _start(self, from_beginning: bool, max_poll_interval_s: float) -> None:
-        settings = self.settings
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.kafka_bootstrap, client_id=f"{settings.kafka_client_id}-trainer-feed",
-            group_id=self.group_id, enable_auto_commit=False,
-            auto_offset_reset="earliest" if from_beginning else "latest", isolation_level="read_committed",
-            max_partition_fetch_bytes=settings.fetch_bytes,
-            fetch_max_bytes=max(settings.fetch_bytes, 50 * 1024 * 1024),
-            max_poll_interval_ms=int(max_poll_interval_s * 1000),
-        )
-        self._dead_letters = EventProducer(settings, service="trainer-feed-dlq")
-        try:
-            await self._dead_letters.start()
-            await self._consumer.start()
-            self._consumer.subscribe([self.topic], listener=_Revocations(self))
-        except KafkaError as exc:
-            raise TransportError(f"cannot reach Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+        # The consumer dead-letters a record that is not a group (for its consumer group) and drops
+        # redelivered group events by event id; the feed counts both in its stats.
+        consumer = EventConsumer(self.settings, [topic_spec(self.settings, self.topic, like=Topic.GROUPS)],
+                                 group_id=self.group_id, service="trainer-feed", from_beginning=from_beginning,
+                                 dedupe_window=self._dedupe_window, listener=_Revocations(self),
+                                 max_poll_interval_s=max_poll_interval_s)
+        self._consumer = consumer
+        await consumer.start()
 
     async def _stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
         await self._join.stop()
-        if self._dead_letters is not None:
-            await self._dead_letters.stop()
 
     def close(self) -> None:
         """Leave the consumer group and stop the loop thread; unacknowledged batches come again later."""
@@ -332,13 +315,12 @@ class TrainerFeed(Iterator[Batch]):
     async def _commit(self, offsets: dict[tuple[str, int], int]) -> None:
         assert self._consumer is not None
         assigned = self._consumer.assignment()
-        commit = {TopicPartition(t, p): OffsetAndMetadata(o, "") for (t, p), o in offsets.items()
-                  if TopicPartition(t, p) in assigned}
+        commit = {TopicPartition(t, p): o for (t, p), o in offsets.items() if TopicPartition(t, p) in assigned}
         if not commit:
             return
         try:
             await self._consumer.commit(commit)
-        except KafkaError as exc:
+        except TransportError as exc:
             raise FeedError(f"commit for consumer group {self.group_id} refused: {exc!r}; the batch's "
                             "groups will be delivered again") from exc
 
@@ -414,38 +396,29 @@ class TrainerFeed(Iterator[Batch]):
     async def _fill(self, timeout_ms: int) -> None:
         assert self._consumer is not None
         try:
-            fetched = await self._consumer.getmany(timeout_ms=timeout_ms)
-        except KafkaError as exc:
-            raise FeedError(f"reading {self.topic} failed: {exc!r}") from exc
-        records = [(tp, r) for tp, rs in fetched.items() for r in rs]
-        if not records:
+            received = await self._consumer.getmany(timeout_ms=timeout_ms)
+        except TransportError as exc:
+            raise FeedError(f"reading {self.topic} failed: {exc}") from exc
+        self.stats.duplicates = self._consumer.duplicates_skipped
+        self.stats.dead_lettered = self._consumer.dead_lettered
+        if not received:
             return
-        await self._join.start(min(r.timestamp for _, r in records))
-        for tp, record in records:
-            self._buffer.append(await self._entry(tp, record))
+        await self._join.start(min(r.timestamp_ms for r in received))
+        for r in received:
+            self._buffer.append(await self._entry(r))
 
-    async def _entry(self, tp: TopicPartition, record: Any) -> _Entry:
-        try:
-            event = decode_event(record.value)
-            if not isinstance(event, Group):
-                raise EventDecodeError("wrong_topic", f"{event.event_type} is not a group")
-        except EventDecodeError as exc:
-            await self._dead_letter(tp, record, exc.error_type, exc.reason)
-            return _Entry(tp, record.offset, None, [])
-        if event.event_id in self._seen:
-            self.stats.duplicates += 1
-            return _Entry(tp, record.offset, None, [])
-        self._seen[event.event_id] = None
-        if len(self._seen) > self._dedupe_window:
-            self._seen.popitem(last=False)
+    async def _entry(self, received: Received) -> _Entry:
+        tp = TopicPartition(received.topic, received.partition)
+        event = received.event
+        assert isinstance(event, Group)  # the consumer dead-letters anything else on the groups topic
         self.stats.groups += 1
         if self.skip_no_signal and getattr(event, "no_signal", False):
             self.stats.no_signal_groups_skipped += 1
-            return _Entry(tp, record.offset, None, [])
+            return _Entry(tp, received.offset, None, [])
         sequences = await self._sequences(event)
         if not sequences:
             self.stats.groups_without_sequences += 1
-        return _Entry(tp, record.offset, event, sequences)
+        return _Entry(tp, received.offset, event, sequences)
 
     async def _sequences(self, group: Group) -> list[TrainingSequence]:
         trainable = []
@@ -478,18 +451,3 @@ class TrainerFeed(Iterator[Batch]):
                     task_id=group.task_id, group_id=group.group_id or group.task_id,
                     trajectory_id=trajectory.trajectory_id, trace_id=trace.trace_id))
         return sequences
-
-    async def _dead_letter(self, tp: TopicPartition, record: Any, error_type: str, reason: str) -> None:
-        assert self._dead_letters is not None
-        value = record.value or b""
-        keep = self.settings.max_message_bytes // 2
-        letter = DeadLetter(
-            source_topic=tp.topic, partition=tp.partition, offset=record.offset,
-            original_key=base64.b64encode(record.key).decode("ascii") if record.key is not None else None,
-            consumer_group=self.group_id, error_type=error_type, reason=reason[:4000],
-            payload=base64.b64encode(value[:keep]).decode("ascii"), payload_bytes=len(value),
-            payload_truncated=len(value) > keep,
-            headers={k: base64.b64encode(v or b"").decode("ascii") for k, v in (record.headers or ())},
-        )
-        await self._dead_letters.send(letter)
-        self.stats.dead_lettered += 1

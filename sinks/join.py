@@ -17,7 +17,6 @@ and counts it) rather than blocking the trainer forever.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -25,10 +24,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
-from schemas.codec import EventDecodeError, decode_event
+from schemas.topics import Topic
 from schemas.trajectories import Trajectory
+from schemas.transport import EventConsumer, RawRecord, Received, TransportError, topic_spec
 from schemas.transport.settings import KafkaSettings
 
 logger = logging.getLogger(__name__)
@@ -112,20 +112,19 @@ class TrajectoryJoin:
         self.lookback_s = lookback_s
         self.timeout_s = timeout_s
         self.index = TrajectoryIndex(index_bytes)
-        self._consumer: AIOKafkaConsumer | None = None
+        self._spec = topic_spec(settings, topic, like=Topic.TRAJECTORIES)
+        self._consumer: EventConsumer | None = None
         self._partitions: list[TopicPartition] = []
         self._from_beginning = lookback_s is None
         self._rescanned: set[str] = set()
 
-    def _new_consumer(self) -> AIOKafkaConsumer:
-        # Subscribed without a consumer group: aiokafka assigns every partition of the topic.
-        return AIOKafkaConsumer(
-            self.topic, bootstrap_servers=self.settings.kafka_bootstrap,
-            client_id=f"{self.settings.kafka_client_id}-feed-join",
-            group_id=None, enable_auto_commit=False, isolation_level="read_committed",
-            max_partition_fetch_bytes=self.settings.fetch_bytes,
-            fetch_max_bytes=max(self.settings.fetch_bytes, 50 * 1024 * 1024),
-        )
+    def _new_consumer(self) -> EventConsumer:
+        # Without a consumer group: every partition of the topic is assigned. The feed is a reader of this
+        # topic, not its processor: a record that is not a trajectory is skipped (its processor's group
+        # dead-letters it). No deduplication: the index keeps one copy per id, and a copy read again after
+        # its eviction is wanted.
+        return EventConsumer(self.settings, [self._spec], group_id=None, service="feed-join", dead_letters=False,
+                             dedupe_window=0)
 
     async def start(self, first_timestamp_ms: int | None) -> None:
         """Assign every partition and seek to where the tail starts (see the module docstring)."""
@@ -136,63 +135,34 @@ class TrajectoryJoin:
         self._consumer = consumer
         self._partitions = await self._assign(consumer)
         if self.lookback_s is None or first_timestamp_ms is None:
-            await consumer.seek_to_beginning(*self._partitions)
+            await consumer.seek_to_beginning(self._partitions)
             self._from_beginning = True
             return
-        since = max(0, first_timestamp_ms - int(self.lookback_s * 1000))
-        found = await consumer.offsets_for_times({tp: since for tp in self._partitions})
-        for tp in self._partitions:
-            at = found.get(tp)
-            if at is None:
-                await consumer.seek_to_end(tp)
-            else:
-                consumer.seek(tp, at.offset)
+        await consumer.seek_to_time(max(0, first_timestamp_ms - int(self.lookback_s * 1000)), self._partitions)
 
-    async def _assign(self, consumer: AIOKafkaConsumer) -> list[TopicPartition]:
-        """Wait until the consumer (subscribed without a group) is assigned every partition of the topic."""
-        deadline = time.monotonic() + 30
-        while not consumer.assignment():
-            if time.monotonic() > deadline:
-                raise LookupError(f"topic {self.topic!r} has no partitions on {self.settings.kafka_bootstrap}")
-            await asyncio.sleep(0.05)
-        return sorted(consumer.assignment(), key=lambda tp: tp.partition)
+    async def _assign(self, consumer: EventConsumer) -> list[TopicPartition]:
+        """Wait until the consumer (without a group) is assigned every partition of the topic."""
+        try:
+            return await consumer.wait_for_assignment(timeout_s=30)
+        except TransportError as exc:
+            raise LookupError(f"topic {self.topic!r} has no partitions on {self.settings.kafka_bootstrap}") from exc
 
     async def stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
 
-    def _take(self, value: bytes | None, where: str) -> IndexedTrajectory | None:
-        try:
-            event = decode_event(value)
-        except EventDecodeError as exc:
-            # The feed is a reader of this topic, not its processor: skip (the processor's group
-            # dead-letters it).
-            logger.warning("skipping %s: %s", where, exc)
-            return None
-        if not isinstance(event, Trajectory):
-            logger.warning("skipping %s: a %s, not a trajectory", where, event.event_type)
-            return None
-        return IndexedTrajectory.of(event)
+    def _index(self, received: Received | None) -> bool:
+        if received is None:
+            return False
+        if not isinstance(received.event, Trajectory):  # the topic's spec admits nothing else
+            return False
+        self.index.add(IndexedTrajectory.of(received.event))
+        return True
 
     async def _poll(self, timeout_ms: int) -> int:
         assert self._consumer is not None
-        batches = await self._consumer.getmany(timeout_ms=timeout_ms)
-        added = 0
-        for tp, records in batches.items():
-            for record in records:
-                taken = self._take(record.value, f"{tp.topic}/{tp.partition}@{record.offset}")
-                if taken is not None:
-                    self.index.add(taken)
-                    added += 1
-        return added
-
-    async def _caught_up(self, ends: dict[TopicPartition, int]) -> bool:
-        assert self._consumer is not None
-        for tp, end in ends.items():
-            if await self._consumer.position(tp) < end:
-                return False
-        return True
+        return sum(self._index(received) for received in await self._consumer.getmany(timeout_ms=timeout_ms))
 
     async def resolve(self, trajectory_ids: Iterable[str]) -> dict[str, IndexedTrajectory]:
         """The indexed trajectories for these ids; an id missing from the result was not found in time."""
@@ -201,7 +171,7 @@ class TrajectoryJoin:
         missing = {t for t in wanted if t not in self.index}
         if missing:
             ends = await self._consumer.end_offsets(self._partitions)
-            while missing and not await self._caught_up(ends):
+            while missing and not await self._consumer.caught_up(ends):
                 await self._poll(200)
                 missing = {t for t in missing if t not in self.index}
         if missing and (not self._from_beginning or self.index.evicted) and not missing <= self._rescanned:
@@ -215,26 +185,20 @@ class TrajectoryJoin:
         return {t: found for t in wanted if (found := self.index.get(t)) is not None}
 
     async def _rescan(self, missing: set[str]) -> None:
-        """Read the topic from the beginning to its current end, indexing only the missing ids."""
+        """Read the topic from the beginning to its current end, indexing only the missing ids (records that
+        do not even contain one of the ids are passed over undecoded)."""
         logger.info("rescanning %s from the beginning for %d trajectories", self.topic, len(missing))
-        consumer = self._new_consumer()
-        await consumer.start()
-        try:
+        async with self._new_consumer() as consumer:
             partitions = await self._assign(consumer)
-            await consumer.seek_to_beginning(*partitions)
+            await consumer.seek_to_beginning(partitions)
             ends = await consumer.end_offsets(partitions)
-            pending = {tp for tp in partitions if ends[tp] > 0}
-            while pending:
-                batches = await consumer.getmany(timeout_ms=500)
-                for tp, records in batches.items():
-                    for record in records:
-                        if not missing or not record.value or not any(m.encode() in record.value for m in missing):
-                            continue
-                        taken = self._take(record.value, f"{tp.topic}/{tp.partition}@{record.offset}")
-                        if taken is not None and taken.trajectory_id in missing:
-                            self.index.add(taken)
-                for tp in list(pending):
-                    if await consumer.position(tp) >= ends[tp]:
-                        pending.discard(tp)
-        finally:
-            await consumer.stop()
+            while not await consumer.caught_up(ends):
+                for record in await consumer.getmany_raw(timeout_ms=500):
+                    if self._may_hold(record, missing):
+                        received = await consumer.take(record)
+                        if received is not None and received.event.event_id in missing:
+                            self._index(received)
+
+    @staticmethod
+    def _may_hold(record: RawRecord, missing: set[str]) -> bool:
+        return bool(missing and record.value and any(m.encode() in record.value for m in missing))

@@ -1,6 +1,7 @@
 """Test fixtures: the project's real Apache Kafka, started once per test run (or reused if one is up).
 
-The broker is the one ``deploy/`` runs (``rollwire up``). If ``ROLLWIRE_KAFKA_BOOTSTRAP`` names a broker
+The broker and the engine are brought up by the same routines as ``rollwire up`` and the main job
+(deploy/stack.py). If ``ROLLWIRE_KAFKA_BOOTSTRAP`` names a broker
 that answers, it is reused; otherwise a broker is started in a temporary home on a free port and stopped
 at the end of the run. Every test that writes gets topics under its own fresh prefix, so tests never see
 each other's records, even on a reused broker.
@@ -15,7 +16,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, delete_topics, ensure_topics
+from deploy import stack
+from deploy.kafka import KafkaConfig
+from schemas.transport.admin import broker_answers, delete_topics, ensure_topics
 from schemas.transport.settings import KafkaSettings
 
 
@@ -27,22 +30,20 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Bootstrap address of a real broker for this test run."""
+    """Bootstrap address of a real broker for this test run (deploy.stack.broker: reused or started)."""
     configured = os.environ.get("ROLLWIRE_KAFKA_BOOTSTRAP")
-    if configured and broker_answers(configured):
-        yield configured
-        return
     base = KafkaConfig.from_env()
     config = KafkaConfig(version=base.version, cache_dir=base.cache_dir,
                          home=tmp_path_factory.mktemp("kafka-home"), host="127.0.0.1",
                          port=_free_port(), controller_port=_free_port(), heap=base.heap,
                          max_message_bytes=base.max_message_bytes)
-    broker = KafkaBroker(config)
-    broker.start(timeout_s=240)
+    reuse = configured if configured and broker_answers(configured) else None
+    part = stack.broker(config, reuse, timeout_s=240)
     try:
-        yield config.bootstrap
+        yield part.address
     finally:
-        broker.stop()
+        if part.stop is not None:
+            part.stop()
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ async def kafka(kafka_bootstrap: str) -> AsyncIterator[KafkaSettings]:
     """Settings for a fresh set of topics (unique prefix) on the test broker, topics created."""
     settings = KafkaSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:10]}.",
                              session_partitions=4, task_partitions=2)
-    await ensure_topics(kafka_bootstrap, settings.registry(), settings.max_message_bytes)
+    await ensure_topics(settings)
     yield settings
     await delete_topics(kafka_bootstrap, settings.topic_prefix)
 
@@ -61,20 +62,17 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     ``ROLLWIRE_TEST_ENGINE_URL`` reuses a server that is already up.
     """
-    import httpx
-
-    from deploy.engine.server import EngineConfig, VllmServer
+    from deploy.engine.server import EngineConfig
 
     configured = os.environ.get("ROLLWIRE_TEST_ENGINE_URL")
-    if configured and httpx.get(f"{configured}/v1/models", timeout=5).status_code == 200:
-        yield configured
-        return
+    reuse = configured if configured and stack.answers(f"{configured}/v1/models", timeout_s=5) else None
     base = EngineConfig.from_env()
     # A context that holds a real harness's prompt (Qwen Code's is about 16k tokens).
-    server = VllmServer(EngineConfig(cache_dir=base.cache_dir, home=tmp_path_factory.mktemp("engine-home"),
-                                     port=_free_port(), max_model_len=32768))
-    server.start(timeout_s=1800)
+    config = EngineConfig(cache_dir=base.cache_dir, home=tmp_path_factory.mktemp("engine-home"),
+                          port=_free_port(), max_model_len=32768)
+    part = stack.engine(reuse, config, timeout_s=1800)
     try:
-        yield server.url
+        yield part.address
     finally:
-        server.stop()
+        if part.stop is not None:
+            part.stop()

@@ -59,6 +59,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,11 +252,12 @@ class VllmServer:
         """Whether the server answers and serves the configured model."""
         return engine_ready(self.url, self.config.served_model_name)
 
-    def start(self, timeout_s: float = 300) -> None:
+    def start(self, timeout_s: float = 300, progress: Callable[[str], None] | None = None) -> None:
         """Install, build and start as needed; return once the server answers.
 
         ``timeout_s`` bounds the wait for the server after it is launched; installing vLLM's
-        environment (about 3 minutes from PyPI, once) has its own timeout.
+        environment (about 3 minutes from PyPI, once) has its own timeout and reports its progress to
+        ``progress`` (one line per call; default: stderr).
         """
         if self.is_running():
             self._wait_ready(None, timeout_s)  # started earlier, perhaps still loading
@@ -264,7 +266,7 @@ class VllmServer:
         if not _port_free(self.config.host, self.config.port):
             raise EngineStartError(f"{self.config.host}:{self.config.port} is already in use by another process; "
                                    "stop it or set ROLLWIRE_ENGINE_PORT to a free port")
-        env_dir = ensure_vllm_env(self.config.cache_dir)
+        env_dir = ensure_vllm_env(self.config.cache_dir, progress=progress)
         model_dir = build_tiny_model(self.config.model_dir, seed=self.config.seed)
         process = self._launch(env_python(env_dir), model_dir)
         self._wait_ready(process, timeout_s)

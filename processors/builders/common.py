@@ -16,6 +16,7 @@ from datetime import datetime
 import numpy as np
 
 from processors.builders.continuations import count_prompt_builds, count_traces, cut_turns, trace_role
+from schemas.arrays import Logprobs, LossMask, TokenIds
 from schemas.completions import Completion
 from schemas.envelope import utcnow
 from schemas.sessions import FailureKind, SessionStatus
@@ -145,7 +146,7 @@ class TraceArrays:
     def trace(self, *, trace_id: str, branch: int, parent_branch: int | None, calls: list[Call]) -> Trace:
         return Trace(trace_id=trace_id, branch=branch, parent_branch=parent_branch,
                      completion_ids=[c.event_id for c in calls], sequences=[c.sequence for c in calls],
-                     token_ids=self.tokens, loss_mask=self.mask, logprobs=self.logprobs,
+                     token_ids=TokenIds(self.tokens), loss_mask=LossMask(self.mask), logprobs=Logprobs(self.logprobs),
                      truncated=calls[-1].event.finish_reason == "length",
                      cut_turns=cut_turns(c.event for c in calls), role=trace_role(c.event for c in calls))
 

@@ -7,9 +7,10 @@ from collections.abc import Iterable
 from processors.builders.common import SessionFacts, TraceArrays, prepare, trace_id, trajectory
 from processors.builders.continuations import retry_mark
 from schemas.completions import Completion
+from schemas.tasks import BuilderName
 from schemas.trajectories import Trajectory
 
-NAME = "per_request"
+NAME: BuilderName = "per_request"
 
 
 def build(completions: Iterable[Completion], facts: SessionFacts) -> Trajectory:

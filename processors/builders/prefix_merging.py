@@ -48,9 +48,10 @@ import numpy as np
 from processors.builders.common import Call, SessionFacts, TraceArrays, prepare, trace_id, trajectory
 from processors.builders.continuations import call_role, retry_mark
 from schemas.completions import Completion
+from schemas.tasks import BuilderName
 from schemas.trajectories import Trajectory, TrajectoryStats
 
-NAME = "prefix_merging"
+NAME: BuilderName = "prefix_merging"
 
 _FIRST_CHUNK = 256
 

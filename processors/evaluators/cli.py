@@ -29,9 +29,9 @@ def run(name: str = typer.Argument(..., help="A registered evaluator: session_co
         group_id: str | None = typer.Option(None, help="Consumer group (default <prefix>evaluator-NAME)."),
         log_level: str = typer.Option("info", envvar="ROLLWIRE_EVALUATOR_LOG_LEVEL")) -> None:
     """Run the evaluator NAME: session-events in, evaluations out."""
-    from deploy.kafka import ensure_topics
     from processors.evaluators import UnknownEvaluator, evaluator_class
     from processors.evaluators.runner import EvaluatorRunner
+    from schemas.transport.admin import ensure_topics
     from schemas.transport.settings import KafkaSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -48,7 +48,7 @@ def run(name: str = typer.Argument(..., help="A registered evaluator: session_co
                              group_id=group_id)
 
     async def main() -> None:
-        await ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes)
+        await ensure_topics(kafka)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -11,8 +11,8 @@ Which sessions: by default those whose spec names this evaluator (``spec.evaluat
 spec's settings; with ``select_all`` every ended session, with the spec's settings when it names this
 evaluator and the runner's default settings otherwise (a session without a spec included).
 
-Specs come from the compacted ``sessions`` topic, read whole by a :class:`SpecRegistry` (no consumer
-group: every runner sees every partition, as the proxy's registry does). Only the specs this evaluator
+Specs come from the compacted ``sessions`` topic, read whole by a :class:`SpecRegistry` (an EventConsumer
+without a group: every runner sees every partition, as the proxy's registry does). Only the specs this evaluator
 may score are kept, so its memory is the relevant sessions' specs. A session end whose spec has not been
 read yet waits until the registry has read up to the ``sessions`` topic's end as it was at that moment:
 specs are written before their sessions start, so the spec is then known or does not exist.
@@ -25,11 +25,9 @@ import logging
 import traceback
 from collections.abc import Iterable
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka import TopicPartition
 
 from processors.evaluators.base import Evaluator
-from schemas.codec import EventDecodeError, decode_event
 from schemas.evaluations import Evaluation
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic
@@ -51,12 +49,9 @@ class SpecRegistry:
     def __init__(self, kafka: KafkaSettings, evaluator: str, *, keep_all: bool) -> None:
         self.kafka, self.evaluator, self.keep_all = kafka, evaluator, keep_all
         self.topic = kafka.registry().name(Topic.SESSIONS)
-        self._spec = kafka.registry().spec(Topic.SESSIONS)
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=kafka.kafka_bootstrap, group_id=None,
-                                          enable_auto_commit=False, auto_offset_reset="earliest",
-                                          isolation_level="read_committed",
-                                          client_id=f"{kafka.kafka_client_id}-evaluator-{evaluator}-specs",
-                                          max_partition_fetch_bytes=kafka.fetch_bytes)
+        # Decode failures are skipped with a warning: the spec's own consumers dead-letter them.
+        self._consumer = EventConsumer(kafka, [Topic.SESSIONS], group_id=None, service=f"evaluator-{evaluator}-specs",
+                                       dead_letters=False)
         self._specs: dict[str, SessionSpec] = {}
         self._others: set[str] = set()  # specs seen that name another evaluator (ids only)
         self._partitions: list[TopicPartition] = []
@@ -64,15 +59,15 @@ class SpecRegistry:
         self._progress = asyncio.Condition()
 
     async def start(self) -> None:
-        # The registry says how many partitions the topic has (deploy.kafka.ensure_topics made it so).
-        self._partitions = [TopicPartition(self.topic, p) for p in range(self._spec.partitions)]
+        """Start reading: every partition of ``sessions`` from the beginning (assigned before this returns,
+        so that :meth:`get` knows which ends to read up to)."""
+        await self._consumer.start()
         try:
-            await self._consumer.start()
-            self._consumer.assign(self._partitions)
-            await self._consumer.seek_to_beginning(*self._partitions)
-        except KafkaError as exc:
+            self._partitions = await self._consumer.wait_for_assignment()
+            await self._consumer.seek_to_beginning(self._partitions)
+        except TransportError:
             await self._consumer.stop()
-            raise TransportError(f"cannot read {self.topic}: {exc!r}") from exc
+            raise
         self._reader = asyncio.create_task(self._read(), name=f"specs-{self.evaluator}")
 
     async def stop(self) -> None:
@@ -87,29 +82,17 @@ class SpecRegistry:
 
     async def _read(self) -> None:
         while True:
-            batches = await self._consumer.getmany(timeout_ms=500)
-            for records in batches.values():
-                for record in records:
-                    try:
-                        spec = decode_event(record.value, self._spec)
-                    except EventDecodeError as exc:  # the spec's own consumers dead-letter it
-                        logger.warning("skipping %s@%d/%d: %s", record.topic, record.partition, record.offset, exc)
-                        continue
-                    assert isinstance(spec, SessionSpec)
-                    if self._relevant(spec):
-                        self._specs[spec.session_id] = spec
-                        self._others.discard(spec.session_id)
-                    else:
-                        self._specs.pop(spec.session_id, None)
-                        self._others.add(spec.session_id)
+            for received in await self._consumer.getmany(timeout_ms=500):
+                spec = received.event
+                assert isinstance(spec, SessionSpec)  # the only event type the sessions topic carries
+                if self._relevant(spec):
+                    self._specs[spec.session_id] = spec
+                    self._others.discard(spec.session_id)
+                else:
+                    self._specs.pop(spec.session_id, None)
+                    self._others.add(spec.session_id)
             async with self._progress:
                 self._progress.notify_all()
-
-    async def _caught_up_to(self, ends: dict[TopicPartition, int]) -> bool:
-        for tp, end in ends.items():
-            if await self._consumer.position(tp) < end:
-                return False
-        return True
 
     async def get(self, session_id: str, wait_s: float = SPEC_WAIT_S) -> SessionSpec | None:
         """The session's spec if this evaluator may score it; None if its spec names another evaluator, or
@@ -120,7 +103,7 @@ class SpecRegistry:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         async with self._progress:
-            while not await self._caught_up_to(ends) and loop.time() < deadline:
+            while not await self._consumer.caught_up(ends) and loop.time() < deadline:
                 if self._reader is not None and self._reader.done():
                     self._reader.result()  # the reader died: raise its error
                 try:

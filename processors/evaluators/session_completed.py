@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from schemas.evaluations import Evaluation
 from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
 
@@ -16,7 +18,7 @@ class SessionCompleted(Evaluator):
 
     async def evaluate(self, ended: SessionEnded, spec: SessionSpec | None) -> Evaluation:
         passed = ended.status is SessionStatus.COMPLETED
-        details = {"status": ended.status.value}
+        details: dict[str, Any] = {"status": ended.status.value}
         if ended.failure is not None:
             details["failure"] = ended.failure.value
         if ended.reason:

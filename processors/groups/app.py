@@ -30,6 +30,7 @@ import time
 import faust
 import orjson
 from aiokafka.partitioner import murmur2
+from faust.types import TP
 
 from processors.groups.assembly import (
     FactError,
@@ -43,11 +44,11 @@ from processors.groups.assembly import (
 )
 from processors.groups.cli import by_task_topic
 from processors.groups.settings import GroupSettings
-from processors.faust_worker import RAW, app_settings
+from processors.faust_worker import RAW, app_settings, on_partitions, send_event, tables_recovered
 from processors.health import serve_health
 from processors.intake import dead_letter
-from schemas.codec import EventDecodeError, check_envelope, decode_event, encode_event, event_headers
-from schemas.envelope import Event, utcnow
+from schemas.codec import EventDecodeError, check_envelope, decode_event
+from schemas.envelope import Event
 from schemas.tasks import TaskAccepted
 from schemas.topics import Topic
 from schemas.transport.settings import KafkaSettings
@@ -101,8 +102,8 @@ async def _forward(task_id: str, record: dict) -> None:
 
 
 async def _send_event(topic: faust.TopicT, event: Event) -> None:
-    stamped = event.model_copy(update={"emitted_at": utcnow(), "source": event.source or SOURCE})
-    await (await topic.send(key=stamped.key(), value=encode_event(stamped), headers=event_headers(stamped)))
+    """Send an event and wait for the broker's acknowledgement."""
+    await (await send_event(topic, event, SOURCE))
 
 
 async def _dead_letter(message: faust.types.Message, error_type: str, reason: str) -> None:
@@ -171,8 +172,9 @@ async def tasks(stream: faust.StreamT) -> None:
                 if not isinstance(record, dict) or record.get("kind") not in ("trajectory", "evaluation", "deadline"):
                     raise EventDecodeError("invalid_event", f"by-task record is not a fact: {str(record)[:200]}")
             else:
-                accepted = decode_event(message.value, registry.by_name(message.topic))
-                assert isinstance(accepted, TaskAccepted)
+                decoded = decode_event(message.value, registry.by_name(message.topic))
+                assert isinstance(decoded, TaskAccepted)  # the only event type of the tasks topic
+                accepted: TaskAccepted = decoded
                 task_id, record = accepted.task_id, None
         except EventDecodeError as exc:
             await _dead_letter(message, exc.error_type, exc.reason)
@@ -211,15 +213,15 @@ def _index(task_id: str, state: TaskState, now: float) -> None:
     next_due[task_id] = max(deadline if now < deadline else deadline + conf.abandon_s, NOT_BEFORE)
 
 
-@app.on_partitions_assigned.connect
-async def _assigned(sender: faust.App, assigned: object, **kwargs: object) -> None:
+@on_partitions(app.on_partitions_assigned)
+async def _assigned(assigned: set[TP]) -> None:
     index["stale"] = True
 
 
 @app.timer(conf.tick_s)
 async def deadlines() -> None:
     """Ask the agent to settle open tasks that are due (a record through ``by-task``: only it writes)."""
-    if app.rebalancing or not app.tables.recovery.completed.is_set():
+    if app.rebalancing or not tables_recovered(app):
         index["stale"] = True
         return
     now = time.time()

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError
-
-from schemas.topics import FRAMING_BYTES
+from schemas.transport.admin import ExtraTopic, ensure_topics
 from schemas.transport.settings import KafkaSettings
 
-_TOPIC_ALREADY_EXISTS = 36
 BY_TASK_RETENTION_MS = 7 * 24 * 3600 * 1000
 
 
@@ -24,27 +20,14 @@ def by_task_topic(kafka: KafkaSettings, app_id: str) -> str:
     return f"{kafka.topic_prefix}{app_id}-by-task"
 
 
+def by_task_topic_spec(kafka: KafkaSettings, app_id: str) -> ExtraTopic:
+    """The by-task topic as the admin creates it: the ``tasks`` topic's partition count, kept a week."""
+    return ExtraTopic(by_task_topic(kafka, app_id), kafka.task_partitions, retention_ms=BY_TASK_RETENTION_MS)
+
+
 async def prepare_topics(kafka: KafkaSettings, app_id: str) -> None:
     """Create the registry's topics and the by-task topic if they are missing (idempotent)."""
-    from deploy.kafka import ensure_topics
-
-    await ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes)
-    topic = by_task_topic(kafka, app_id)
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.kafka_bootstrap)
-    try:
-        await admin.start()
-        if topic in set(await admin.list_topics()):
-            return
-        response = await admin.create_topics([NewTopic(topic, kafka.task_partitions, 1, topic_configs={
-            "retention.ms": str(BY_TASK_RETENTION_MS), "cleanup.policy": "delete",
-            "max.message.bytes": str(kafka.max_message_bytes + FRAMING_BYTES)})])
-        for entry in response.topic_errors:
-            if entry[1] not in (0, _TOPIC_ALREADY_EXISTS):
-                raise RuntimeError(f"creating {topic} failed: error code {entry[1]}")
-    except KafkaError as exc:
-        raise RuntimeError(f"Kafka at {kafka.kafka_bootstrap} refused topic set-up: {exc!r}") from exc
-    finally:
-        await admin.close()
+    await ensure_topics(kafka, [by_task_topic_spec(kafka, app_id)])
 
 
 def run() -> None:

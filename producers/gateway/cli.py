@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import typer
 import uvicorn
@@ -63,9 +64,9 @@ def gateway_node(
         port: int = typer.Option(None, help="HTTP port for health and cancel, 0 for none (ROLLWIRE_GATEWAY_PORT).")
 ) -> None:
     """Run a gateway node: take sessions from Kafka and run their harnesses."""
-    overrides = {k: v for k, v in {"proxy_url": proxy_url, "run_slots": run_slots, "init_workers": init_workers,
-                                   "post_workers": post_workers, "prewarm": prewarm, "node_name": node_name,
-                                   "port": port}.items() if v is not None}
+    given = {"proxy_url": proxy_url, "run_slots": run_slots, "init_workers": init_workers,
+             "post_workers": post_workers, "prewarm": prewarm, "node_name": node_name, "port": port}
+    overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     settings = GatewaySettings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve_node(settings, KafkaSettings()))

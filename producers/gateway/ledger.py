@@ -21,12 +21,9 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
-
 from schemas.sessions import SessionEnded, SessionStage, SessionStageChanged
 from schemas.topics import Topic
-from schemas.transport import EventConsumer, KafkaSettings
+from schemas.transport import EventConsumer, KafkaAdmin, KafkaSettings
 from schemas.transport.errors import TransportError
 
 logger = logging.getLogger(__name__)
@@ -152,7 +149,7 @@ class GroupMembers:
     def __init__(self, settings: KafkaSettings, group: str) -> None:
         self.settings = settings
         self.group = group
-        self._admin: AIOKafkaAdminClient | None = None
+        self._admin: KafkaAdmin | None = None
 
     @staticmethod
     def client_id(settings: KafkaSettings, node: str) -> str:
@@ -162,31 +159,18 @@ class GroupMembers:
     async def live_nodes(self) -> frozenset[str]:
         """Node names of the group's current members."""
         if self._admin is None:
-            self._admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap,
-                                              client_id=f"{self.settings.kafka_client_id}-gateway-admin")
-            try:
-                await self._admin.start()
-            except KafkaError as exc:
-                self._admin = None
-                raise TransportError(f"cannot reach Kafka at {self.settings.kafka_bootstrap}: {exc}") from exc
-        try:
-            responses = await self._admin.describe_consumer_groups([self.group])
-        except KafkaError as exc:
-            raise TransportError(f"describing group {self.group}: {exc!r}") from exc
+            settings = self.settings
+            admin = KafkaAdmin(settings.kafka_bootstrap, client_id=f"{settings.kafka_client_id}-gateway-admin",
+                               timeout_s=settings.kafka_request_timeout_ms / 1000)
+            await admin.start()  # TransportError if Kafka cannot be reached: asked again next time
+            self._admin = admin
         prefix = f"{self.settings.kafka_client_id}-{service_name('')}"
-        nodes: set[str] = set()
-        for response in responses:
-            for group in response.groups:
-                # (error_code, group_id, state, protocol_type, protocol, members[, authorized_operations])
-                for member in group[5]:
-                    client_id = member[1]
-                    if client_id.startswith(prefix):
-                        nodes.add(client_id[len(prefix):])
-        return frozenset(nodes)
+        return frozenset(client_id[len(prefix):] for client_id in await self._admin.group_client_ids(self.group)
+                         if client_id.startswith(prefix))
 
     async def close(self) -> None:
         if self._admin is not None:
-            await self._admin.close()
+            await self._admin.stop()
             self._admin = None
 
 

@@ -1,2 +1,2 @@
-"""The rollout server (TaskRequest API → sessions on Kafka, status, callbacks), `rollwire submit`, and
-the main job `rollwire rollout` that brings up the stack, runs a tasks file and summarizes it."""
+"""The rollout server (TaskRequest API → sessions on Kafka, status, callbacks), `rollwire submit`, and the
+main job's live display (the job itself composes the whole stack: deploy/job.py)."""

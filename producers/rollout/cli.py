@@ -1,5 +1,6 @@
-"""`rollwire rollout-server` (serve the rollout API), `rollwire submit tasks.jsonl` (post a tasks file)
-and `rollwire rollout tasks.jsonl` (the main job: bring up the stack, run the tasks, summarize)."""
+"""`rollwire rollout-server` (serve the rollout API) and `rollwire submit tasks.jsonl` (post a tasks file).
+
+The main job, `rollwire rollout tasks.jsonl`, brings up a whole stack: it lives in deploy/job.py."""
 
 from __future__ import annotations
 
@@ -44,25 +45,3 @@ def submit(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, h
     typer.echo(f"submitted={len(submitted)} refused={len(bad)}", err=True)
     if bad:
         raise typer.Exit(code=1)
-
-
-def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help="JSON Lines, one TaskRequest a line."),
-            harness: str = typer.Option(None, help="Run every task with this harness (codex, claude-code, "
-                                                   "qwen-code, pi, command)."),
-            samples: int = typer.Option(None, min=1, help="Sessions per task (overrides num_samples)."),
-            timeout_s: float = typer.Option(None, help="Give up waiting after this long (default: the longest "
-                                                       "task timeout plus 5 minutes)."),
-            proxy_port: int = typer.Option(None, help="Port for a proxy the job starts (default "
-                                                      "ROLLWIRE_PROXY_PORT, else a free one if that is taken)."),
-            server_port: int = typer.Option(None, help="Port for a rollout server the job starts (default "
-                                                       "ROLLWIRE_ROLLOUT_PORT, else a free one if taken)."),
-            keep_services: bool = typer.Option(False, help="Leave the gateway node, evaluator and rollout "
-                                                           "server the job started running afterwards."),
-            live: bool = typer.Option(True, help="Show live progress (off: one line per change).")) -> None:
-    """Bring up whatever is not running, run the tasks' sessions with live progress, print a summary."""
-    from producers.rollout.job import JobOptions, run_job
-
-    options = JobOptions(tasks_file=tasks_file, harness=harness, samples=samples, timeout_s=timeout_s,
-                         proxy_port=proxy_port, server_port=server_port, keep_services=keep_services,
-                         live=live)
-    raise typer.Exit(code=run_job(options))

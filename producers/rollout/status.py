@@ -20,9 +20,6 @@ import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
-from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
-
 from schemas.codec import HEADER_EVENT_TYPE
 from schemas.envelope import Event
 from schemas.evaluations import Evaluation
@@ -289,7 +286,7 @@ class StatusFeed:
                 await follow()  # type: ignore[misc]
             except asyncio.CancelledError:
                 raise
-            except (TransportError, KafkaError) as exc:
+            except TransportError as exc:
                 logger.warning("rollout status lost Kafka (%s); retrying in 2 s", exc)
                 await asyncio.sleep(2)
             except Exception:  # a bug must not silently stop the view from following the log
@@ -315,29 +312,14 @@ class StatusFeed:
 
     async def _count_completions(self) -> None:
         """Count records per session on `completions` from their keys and headers, without decoding."""
-        topic = self.kafka.registry().name(Topic.COMPLETIONS)
-        consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=self.kafka.kafka_bootstrap, group_id=None, enable_auto_commit=False,
-            auto_offset_reset="earliest", isolation_level="read_committed",
-            client_id=f"{self.kafka.kafka_client_id}-rollout-completions",
-            max_partition_fetch_bytes=self.kafka.fetch_bytes,
-            fetch_max_bytes=max(self.kafka.fetch_bytes, 50 * 1024 * 1024))
-        await consumer.start()
-        self.view.reset_completion_counts()
-        try:
+        async with EventConsumer(self.kafka, [Topic.COMPLETIONS], group_id=None, service="rollout-completions",
+                                 dead_letters=False) as consumer:
+            self.view.reset_completion_counts()
             while True:
-                batches = await consumer.getmany(timeout_ms=self.poll_ms)
-                for records in batches.values():
-                    for record in records:
-                        headers = dict(record.headers or ())
-                        if record.key is not None and headers.get(HEADER_EVENT_TYPE) == b"completion":
-                            self.view.count_completions(record.key.decode("utf-8", "replace"))
-                if not self._completions_caught_up.is_set():
-                    partitions = consumer.assignment()
-                    ends = await consumer.end_offsets(list(partitions)) if partitions else {}
-                    positions = {tp: await consumer.position(tp) for tp in ends}
-                    if all(positions[tp] >= end for tp, end in ends.items()):
-                        self._completions_caught_up.set()
-                        self._update_caught_up()
-        finally:
-            await consumer.stop()
+                for record in await consumer.getmany_raw(timeout_ms=self.poll_ms):
+                    headers = dict(record.headers)
+                    if record.key is not None and headers.get(HEADER_EVENT_TYPE) == b"completion":
+                        self.view.count_completions(record.key.decode("utf-8", "replace"))
+                if not self._completions_caught_up.is_set() and await consumer.lag() == 0:
+                    self._completions_caught_up.set()
+                    self._update_caught_up()

@@ -194,8 +194,13 @@ async def _leader_exited(process: asyncio.subprocess.Process) -> None:
             await asyncio.sleep(0.05)
         return
     loop = asyncio.get_running_loop()
-    exited = loop.create_future()
-    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def on_exit() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, on_exit)
     try:
         await exited
     finally:

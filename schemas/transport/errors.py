@@ -15,3 +15,7 @@ class EventTooLargeError(PublishError):
 
 class ClientClosedError(TransportError):
     """The client was used before start() or after stop()."""
+
+
+class TopicSetupError(TransportError):
+    """Topics could not be created, checked or deleted, or an existing topic disagrees with the registry."""

@@ -1,7 +1,9 @@
 """The event producer: idempotent, acks=all, zstd, keyed by each event's own key.
 
 ``send`` returns only once the broker has the event (durable capture); ``send_many`` pipelines a batch
-and returns when all of them are acknowledged. aiokafka errors surface as :class:`PublishError`.
+and returns when all of them are acknowledged. aiokafka errors surface as :class:`PublishError`. Every
+event is stamped and encoded by :func:`schemas.codec.encode_record`; it goes to its registry topic, or to
+the topic named by ``to=`` (a topic outside the registry, such as a rebuild's output topic).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
-from schemas.codec import encode_event, event_headers
-from schemas.envelope import Event, utcnow
+from schemas.codec import EncodedRecord, encode_record
+from schemas.envelope import Event
 from schemas.transport.errors import ClientClosedError, EventTooLargeError, PublishError
 from schemas.transport.settings import KafkaSettings
 
@@ -88,16 +90,15 @@ class EventProducer:
         if getattr(self, "_started", False) and not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {type(self).__name__}: call stop()", ResourceWarning, stacklevel=1)
 
-    def _prepare(self, event: Event) -> tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]:
+    def _prepare(self, event: Event, to: str | None) -> tuple[str, EncodedRecord]:
         if not self._started or self._closed:
             raise ClientClosedError("producer is not running: use `async with EventProducer(...)`")
-        stamped = event.model_copy(update={"emitted_at": utcnow(), "source": event.source or self.source})
-        value = encode_event(stamped)
-        if len(value) > self.settings.max_message_bytes:
+        record = encode_record(event, self.source)
+        if len(record.value) > self.settings.max_message_bytes:
             raise EventTooLargeError(
-                f"{event.event_type} {event.event_id} is {len(value)} bytes encoded; the limit is "
+                f"{event.event_type} {event.event_id} is {len(record.value)} bytes encoded; the limit is "
                 f"{self.settings.max_message_bytes} (ROLLWIRE_MAX_MESSAGE_BYTES, broker message.max.bytes)")
-        return self.registry.name(event.topic), stamped.key(), value, event_headers(stamped)
+        return to or self.registry.name(event.topic), record
 
     def transaction(self) -> Any:
         """``async with producer.transaction():`` — the sends inside commit together or not at all.
@@ -108,19 +109,21 @@ class EventProducer:
             raise ValueError("transactions need EventProducer(..., transactional_id='...')")
         return self._producer.transaction()
 
-    async def send(self, event: Event) -> RecordMetadata:
-        """Write one event and wait until the broker has it."""
-        topic, key, value, headers = self._prepare(event)
+    async def send(self, event: Event, *, to: str | None = None) -> RecordMetadata:
+        """Write one event (to its registry topic, or to the topic ``to``) and wait until the broker has it."""
+        topic, record = self._prepare(event, to)
         try:
-            return await self._producer.send_and_wait(topic, value, key=key, headers=headers)
+            return await self._producer.send_and_wait(topic, record.value, key=record.key, headers=record.headers)
         except KafkaError as exc:
             raise PublishError(f"{event.event_type} {event.event_id} not recorded: {exc!r}") from exc
 
-    async def send_many(self, events: Sequence[Event]) -> list[RecordMetadata]:
-        """Write several events, pipelined; returns when every one is acknowledged."""
-        prepared = [self._prepare(event) for event in events]
+    async def send_many(self, events: Sequence[Event], *, to: str | None = None) -> list[RecordMetadata]:
+        """Write several events (each to its registry topic, or all to the topic ``to``), pipelined;
+        returns when every one is acknowledged."""
+        prepared = [self._prepare(event, to) for event in events]
         try:
-            futures = [await self._producer.send(t, v, key=k, headers=h) for t, k, v, h in prepared]
+            futures = [await self._producer.send(topic, r.value, key=r.key, headers=r.headers)
+                       for topic, r in prepared]
             return list(await asyncio.gather(*futures))
         except KafkaError as exc:
             raise PublishError(f"batch of {len(events)} events not fully recorded: {exc!r}") from exc

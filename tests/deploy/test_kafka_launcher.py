@@ -1,5 +1,6 @@
 """The local Apache Kafka launcher (deploy/kafka.py): tool checks, broker settings, compose file, and a real
-broker's lifecycle and topics. One broker is started for the module (jars from the shared cache)."""
+broker's lifecycle and size limits. One broker is started for the module (jars from the shared cache).
+Topic administration (schemas/transport/admin.py) is tested in tests/transport/test_admin.py."""
 
 from __future__ import annotations
 
@@ -14,20 +15,19 @@ import pytest
 import yaml
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 import deploy.kafka
-from deploy.errors import BrokerStartError, ConfigError, MissingToolError, TopicSetupError
+from deploy.errors import BrokerStartError, ConfigError, MissingToolError
 from deploy.kafka import (
     BATCH_OVERHEAD_BYTES,
     DEFAULT_VERSION,
     KafkaBroker,
     KafkaConfig,
-    broker_answers,
-    ensure_topics,
     server_properties,
 )
-from schemas.topics import FRAMING_BYTES, MAX_MESSAGE_BYTES, Topic, TopicRegistry
+from schemas.topics import MAX_MESSAGE_BYTES, Topic, TopicRegistry
+from schemas.transport import KafkaSettings
+from schemas.transport.admin import broker_answers, ensure_topics
 from tests.servers import free_port
 
 COMPOSE = Path(__file__).parents[2] / "deploy" / "compose.yaml"
@@ -177,24 +177,9 @@ def registry() -> TopicRegistry:
     return TopicRegistry(prefix="launcher.", session_partitions=3, task_partitions=2)
 
 
-async def _topic_configs(bootstrap: str, names: list[str]) -> dict[str, dict[str, str]]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        responses = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in names])
-    finally:
-        await admin.close()
-    return {name: {entry[0]: entry[1] for entry in entries}
-            for response in responses for _code, _msg, _type, name, entries in response.resources}
-
-
-async def _partition_counts(bootstrap: str, names: list[str]) -> dict[str, int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names)}
-    finally:
-        await admin.close()
+def _settings(broker: KafkaBroker, registry: TopicRegistry) -> KafkaSettings:
+    return KafkaSettings(kafka_bootstrap=broker.config.bootstrap, topic_prefix=registry.prefix,
+                         session_partitions=registry.session_partitions, task_partitions=registry.task_partitions)
 
 
 @pytest.mark.kafka
@@ -227,40 +212,10 @@ def test_a_second_broker_on_a_taken_port_fails_before_launching(broker: KafkaBro
 
 
 @pytest.mark.kafka
-async def test_ensure_topics_creates_the_registry(broker: KafkaBroker, registry: TopicRegistry) -> None:
-    bootstrap = broker.config.bootstrap
-    names = [spec.name for spec in registry.specs()]
-    created = await ensure_topics(bootstrap, registry)
-    assert sorted(created) == sorted(names)
-    assert await _partition_counts(bootstrap, names) == {s.name: s.partitions for s in registry.specs()}
-    configs = await _topic_configs(bootstrap, names)
-    for spec in registry.specs():
-        assert configs[spec.name]["max.message.bytes"] == str(MAX_MESSAGE_BYTES + FRAMING_BYTES), spec.name
-        assert configs[spec.name]["retention.ms"] == str(spec.retention_ms), spec.name
-    assert configs[registry.name(Topic.SESSIONS)]["cleanup.policy"] == "compact"
-    assert configs[registry.name(Topic.COMPLETIONS)]["cleanup.policy"] == "delete"
-
-
-@pytest.mark.kafka
-async def test_ensure_topics_again_creates_nothing(broker: KafkaBroker, registry: TopicRegistry) -> None:
-    await ensure_topics(broker.config.bootstrap, registry)
-    assert await ensure_topics(broker.config.bootstrap, registry) == []
-
-
-@pytest.mark.kafka
-async def test_partition_count_disagreement_is_refused(broker: KafkaBroker, registry: TopicRegistry) -> None:
-    await ensure_topics(broker.config.bootstrap, registry)
-    other = TopicRegistry(prefix=registry.prefix, session_partitions=registry.session_partitions + 1,
-                          task_partitions=registry.task_partitions)
-    with pytest.raises(TopicSetupError, match="partitions but the registry wants"):
-        await ensure_topics(broker.config.bootstrap, other)
-
-
-@pytest.mark.kafka
 async def test_a_record_near_the_limit_is_accepted(broker: KafkaBroker, registry: TopicRegistry) -> None:
     """An event of almost 8 MiB is stored, on a registry topic (its max.message.bytes) and on a topic
     without overrides (the broker's message.max.bytes; Kafka's default of 1 MiB would refuse it)."""
-    await ensure_topics(broker.config.bootstrap, registry)
+    await ensure_topics(_settings(broker, registry))
     plain = "launcher.no-overrides"
     admin = AIOKafkaAdminClient(bootstrap_servers=broker.config.bootstrap)
     await admin.start()
@@ -283,7 +238,7 @@ async def test_a_record_near_the_limit_is_accepted(broker: KafkaBroker, registry
 @pytest.mark.kafka
 async def test_transactions_work_on_one_node(broker: KafkaBroker, registry: TopicRegistry) -> None:
     """transaction.state.log.* = 1 on one node; with Kafka's defaults (3) a transactional producer hangs."""
-    await ensure_topics(broker.config.bootstrap, registry)
+    await ensure_topics(_settings(broker, registry))
     producer = AIOKafkaProducer(bootstrap_servers=broker.config.bootstrap, transactional_id="launcher-test",
                                 enable_idempotence=True)
     await producer.start()

@@ -33,10 +33,10 @@ from bench.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app as c
 from deploy.engine.plugins import FORCED_TOKENS_ARG
 from deploy.engine.server import EngineConfig
 from deploy.engine.tiny_model import build_tiny_model
-from deploy.kafka import ensure_topics
 from proxy.app import create_app
 from schemas.completions import Completion
 from schemas.transport import KafkaSettings
+from schemas.transport.admin import ensure_topics
 from tests.harnesses.isolation import run_harness
 from tests.proxy.conftest import ProxyUnderTest, proxy_settings
 from tests.servers import serve
@@ -153,7 +153,7 @@ async def fresh_topics(bootstrap: str, stem: str, *, session_partitions: int = 4
     """Settings for topics under a fresh prefix ``<stem><hex>.`` on ``bootstrap``, the topics created."""
     kafka = KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=f"{stem}{uuid.uuid4().hex[:8]}.",
                           session_partitions=session_partitions, task_partitions=2)
-    await ensure_topics(bootstrap, kafka.registry(), kafka.max_message_bytes)
+    await ensure_topics(kafka)
     return kafka
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from processors.aggregate import Outputs, SessionAggregator, Tables
 from processors.payloads import PayloadCache
 from processors.progress import InputProgress
-from processors.sessions import CallRef, OpenSession
+from processors.open_sessions import CallRef, OpenSession
 from schemas.codec import encode_event
 from schemas.topics import Topic, TopicRegistry
 from schemas.trajectories import Trajectory

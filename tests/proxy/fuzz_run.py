@@ -625,7 +625,8 @@ def _first_op(request: FuzzRequest) -> str:
 @contextlib.contextmanager
 def _kafka_broker() -> Iterator[str]:
     """A broker: ``ROLLWIRE_KAFKA_BOOTSTRAP`` if it answers, else one started for this run."""
-    from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers
+    from deploy.kafka import KafkaBroker, KafkaConfig
+    from schemas.transport.admin import broker_answers
 
     configured = os.environ.get("ROLLWIRE_KAFKA_BOOTSTRAP", "127.0.0.1:19092")
     if broker_answers(configured):
@@ -650,9 +651,9 @@ def _kafka_broker() -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.standin_engine import StandinConfig, create_app as create_standin
-    from deploy.kafka import delete_topics, ensure_topics
     from proxy.app import create_app
     from proxy.settings import ProxySettings
+    from schemas.transport.admin import delete_topics, ensure_topics
     from tests.proxy.fuzz_requests import large_body_requests
     from tests.servers import serve
 
@@ -667,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     with _kafka_broker() as bootstrap:
         kafka = KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=f"fuzz{uuid.uuid4().hex[:8]}.",
                               session_partitions=4, task_partitions=2)
-        asyncio.run(ensure_topics(bootstrap, kafka.registry(), kafka.max_message_bytes))
+        asyncio.run(ensure_topics(kafka))
         try:
             standin = create_standin(StandinConfig(latency_ms=1, reply_tokens=16))
             with serve(standin) as engine_url, serve(create_app(ProxySettings(

@@ -10,10 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.kafka import KafkaBroker, KafkaConfig, ensure_topics
+from deploy.kafka import KafkaBroker, KafkaConfig
 from proxy.app import create_app
 from schemas.sessions import SessionSpec
 from schemas.tasks import EngineParams
+from schemas.transport.admin import ensure_topics
 from schemas.transport import EventProducer, KafkaSettings
 from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import free_port, serve
@@ -31,7 +32,7 @@ async def test_kafka_outage_withholds_replies_and_recovers(tmp_path: Path, stand
     broker.start(timeout_s=180)
     kafka = KafkaSettings(kafka_bootstrap=config.bootstrap, topic_prefix="outage.", session_partitions=2,
                           task_partitions=1, kafka_request_timeout_ms=3000)
-    await ensure_topics(config.bootstrap, kafka.registry())
+    await ensure_topics(kafka)
     try:
         with serve(create_app(proxy_settings(standin_url, capture_timeout_s=3.0), kafka)) as url:
             proxy = ProxyUnderTest(url, kafka)

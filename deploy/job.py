@@ -4,8 +4,8 @@ submit the tasks, show live progress, and end with a summary table and where the
 What it brings up, in order, each only if nothing answers where it should already: the Kafka broker and
 its topics, the engine (embedded vLLM CPU, or ``ROLLWIRE_ENGINE_URL``), the proxy, a trajectory worker
 (processors), the rollout server, a gateway node (``rollwire gateway-node``), for each evaluator the
-tasks name ``rollwire evaluator run NAME``, and the groups worker (``rollwire groups``); a command this
-build does not have is reported as skipped. A configured port that something else holds is replaced by a
+tasks name ``rollwire evaluator run NAME``, and the groups worker (``rollwire groups``), each through
+its routine in deploy/stack.py. A configured port that something else holds is replaced by a
 free one (ports: ``--proxy-port``, ``--server-port``, ``ROLLWIRE_PROCESSORS_PORT``,
 ``ROLLWIRE_GATEWAY_PORT``, ``ROLLWIRE_GROUPS_PORT``).
 
@@ -28,10 +28,8 @@ up, or a task line was bad or refused.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +38,13 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 
+from deploy import stack
 from deploy.errors import DeployError
-from deploy.services import ServiceProcess
+from deploy.job_results import collect
+from deploy.kafka import KafkaConfig
+from processors.groups.settings import GroupSettings
+from processors.settings import ProcessorSettings
+from producers.gateway.settings import GatewaySettings
 from producers.rollout.display import (
     acceptance_line,
     failures_table,
@@ -52,9 +55,9 @@ from producers.rollout.display import (
     sessions_table,
     summary_table,
 )
-from producers.rollout.results import collect
 from producers.rollout.settings import RolloutServerSettings
 from producers.rollout.taskfile import BadLine, Overrides, load_tasks, post_task
+from proxy.settings import ProxySettings
 from schemas.rollouts import TaskState, TaskStatus, TaskSubmitted
 from schemas.sessions import FailureKind
 from schemas.topics import Topic
@@ -70,10 +73,6 @@ SFT_MIN_REWARD = 1.0
 """The SFT store's acceptance threshold (the `tests` evaluator scores 1 for a pass)."""
 
 
-class JobSetupError(Exception):
-    """The stack could not be brought up, or no task could be submitted."""
-
-
 @dataclass(frozen=True)
 class JobOptions:
     tasks_file: Path
@@ -86,60 +85,20 @@ class JobOptions:
     live: bool = True
 
 
-# ---- ports and detached commands ----------------------------------------------------------------------
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _has_command(*path: str) -> bool:
-    """Whether `rollwire <path...>` exists in this build (other packages register their commands)."""
-    import typer.main
-
-    from deploy.cli import app
-
-    command = typer.main.get_command(app)
-    for name in path:
-        commands = getattr(command, "commands", None)
-        if not commands or name not in commands:
-            return False
-        command = commands[name]
-    return True
-
-
 # ---- the stack ----------------------------------------------------------------------------------------
 
 
 @dataclass
 class Stack:
-    """Brings up the parts that are not running; remembers what it started."""
+    """Brings up the parts that are not running (deploy/stack.py); remembers what it started."""
 
     console: Console
     options: JobOptions
     kafka: KafkaSettings | None = None
     proxy_url: str = ""
     server_url: str = ""
-    started: list[object] = field(default_factory=list)
-    """The job-specific processes this job started (rollout server, gateway node, evaluators, groups)."""
+    started: list[stack.Part] = field(default_factory=list)
+    """The job-specific parts this job started (rollout server, gateway node, evaluators, groups)."""
     names: set[str] = field(default_factory=set)
     """The parts that run (started or reused)."""
 
@@ -149,170 +108,60 @@ class Stack:
         colour = {"reused": "cyan", "started": "green", "skipped": "yellow"}.get(state, "white")
         self.console.print(f"  {part:<16} [{colour}]{state}[/{colour}] {detail}")
 
-    def _pick_port(self, part: str, host: str, port: int, health_path: str, env_var: str,
-                   explicit: int | None) -> tuple[int, bool]:
-        """(port, already running): reuse what answers on the port; else use it if free, else a free one."""
-        if explicit is not None:
-            port = explicit
-        if _answers(f"http://{host}:{port}{health_path}"):
-            return port, True
-        if not _port_free(host, port):
-            taken, port = port, _free_port(host)
-            self._say(part, "note", f"port {taken} is held by something else; using {port}")
-        os.environ[env_var] = str(port)  # the service's settings and its children read it
-        return port, False
+    def _report(self, part: stack.Part, label: str | None = None) -> stack.Part:
+        self._say(label or part.name, part.state, part.address)
+        return part
+
+    def _job_part(self, part: stack.Part, label: str | None = None) -> None:
+        """A part that lives only as long as the job (unless --keep-services)."""
+        self._report(part, label)
+        if part.started:
+            self.started.append(part)
 
     def up(self, evaluators: set[str]) -> None:
-        from deploy import cli as deploy_cli
-        from deploy.kafka import KafkaBroker, KafkaConfig, broker_answers, ensure_topics
-        from processors.settings import ProcessorSettings
-        from proxy.settings import ProxySettings
-
         self.console.print("[bold]stack[/bold]")
         config = KafkaConfig.from_env()
-        kafka = deploy_cli._local_broker_settings(config)
-        if broker_answers(kafka.kafka_bootstrap):
-            self._say("kafka", "reused", kafka.kafka_bootstrap)
-        elif kafka.kafka_bootstrap == config.bootstrap:
-            KafkaBroker(config).start(timeout_s=300)
-            self._say("kafka", "started", kafka.kafka_bootstrap)
-        else:
-            raise JobSetupError(f"no Kafka answers at ROLLWIRE_KAFKA_BOOTSTRAP={kafka.kafka_bootstrap}")
-        os.environ["ROLLWIRE_KAFKA_BOOTSTRAP"] = kafka.kafka_bootstrap
-        created = asyncio.run(ensure_topics(kafka.kafka_bootstrap, kafka.registry(), kafka.max_message_bytes))
-        self._say("topics", "started" if created else "reused",
-                  f"prefix {kafka.topic_prefix!r}" + (f", {len(created)} created" if created else ""))
+        kafka = stack.managed_settings(config)
+        self._report(stack.broker(config, kafka.kafka_bootstrap))
+        self._report(stack.topics(kafka))
         self.kafka = kafka
 
-        engine_url = deploy_cli._engine_url()
-        if engine_url is not None:
-            if not _answers(f"{engine_url.rstrip('/')}/v1/models"):
-                raise JobSetupError(f"the engine at ROLLWIRE_ENGINE_URL={engine_url} does not answer /v1/models")
-            self._say("engine", "reused", engine_url)
-        else:
-            from deploy.engine.server import VllmServer, engine_ready
+        engine = self._report(stack.engine(
+            stack.external_engine_url(), stack.engine_config(),
+            on_start=lambda: self.console.print("  engine           starting (the first start installs vLLM's "
+                                                "CPU build)…")))
 
-            server = VllmServer(deploy_cli._engine_config())
-            if engine_ready(server.url, server.config.served_model_name):
-                self._say("engine", "reused", server.url)
-            else:
-                self.console.print("  engine           starting (the first start installs vLLM's CPU build)…")
-                server.start(timeout_s=1800)
-                self._say("engine", "started", server.url)
-            engine_url = server.url
+        proxy_settings = ProxySettings()
+        proxy = self._report(stack.proxy(kafka, engine.address, stack.Port(
+            proxy_settings.proxy_host, self.options.proxy_port or proxy_settings.proxy_port, move_if_taken=True)))
+        # A public URL the user set is how harnesses reach the proxy; else its own address.
+        self.proxy_url = proxy_settings.proxy_public_url or proxy.address
 
-        proxy = ProxySettings()
-        port, running = self._pick_port("proxy", proxy.proxy_host, proxy.proxy_port, "/health",
-                                        "ROLLWIRE_PROXY_PORT", self.options.proxy_port)
-        proxy = ProxySettings()
-        self.proxy_url = proxy.public_url
-        if running:
-            self._say("proxy", "reused", self.proxy_url)
-        else:
-            deploy_cli._proxy_service(kafka, engine_url).start(timeout_s=120)
-            self._say("proxy", "started", self.proxy_url)
-
-        processors = ProcessorSettings()
-        port, running = self._pick_port("processors", processors.host, processors.port, "/health",
-                                        "ROLLWIRE_PROCESSORS_PORT", None)
-        if running:
-            self._say("processors", "reused", f"http://{processors.host}:{port}")
-        else:
-            deploy_cli._processors_service(kafka).start(timeout_s=180)
-            self._say("processors", "started", f"http://{processors.host}:{port}")
+        worker = ProcessorSettings()
+        self._report(stack.processors(kafka, stack.Port(worker.host, worker.port, move_if_taken=True)))
 
         rollout = RolloutServerSettings()
-        port, running = self._pick_port("rollout-server", rollout.host, rollout.port, "/health",
-                                        "ROLLWIRE_ROLLOUT_PORT", self.options.server_port)
-        rollout = RolloutServerSettings()
-        self.server_url = rollout.url
-        if running:
-            self._say("rollout-server", "reused", self.server_url)
-        else:
-            service = ServiceProcess(name="rollout-server",
-                                     args=("rollout-server", "--host", rollout.host, "--port", str(port)),
-                                     health_url=f"http://{rollout.host}:{port}/health",
-                                     env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
-            service.start(timeout_s=120)
-            self.started.append(service)
-            self._say("rollout-server", "started", self.server_url)
+        server = stack.rollout_server(kafka, stack.Port(rollout.host, self.options.server_port or rollout.port,
+                                                        move_if_taken=True))
+        self.server_url = rollout.public_url or server.address
+        self._job_part(server)
 
-        self._gateway_up(kafka)
+        gateway = GatewaySettings()
+        gateway_port = stack.Port(gateway.host, gateway.port, move_if_taken=True) if gateway.port else None
+        self._job_part(stack.gateway_node(kafka, self.proxy_url, gateway_port))
         for name in sorted(evaluators):
-            self._evaluator_up(kafka, name)
-        self._groups_up(kafka)
-
-    def _groups_up(self, kafka: KafkaSettings) -> None:
-
-        if not _has_command("groups"):
-            self._say("groups", "skipped", "this build has no `rollwire groups`")
-            return
-        from processors.groups.settings import GroupSettings
-
-        groups = GroupSettings()
-        port, running = self._pick_port("groups", groups.host, groups.port, "/health", "ROLLWIRE_GROUPS_PORT", None)
-        if running:
-            self._say("groups", "reused", f"http://{groups.host}:{port}")
-            return
-        service = ServiceProcess(name="groups", args=("groups",), health_url=f"http://{groups.host}:{port}/health",
-                                 env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
-        service.start(timeout_s=180)
-        self.started.append(service)
-        self._say("groups", "started", f"http://{groups.host}:{port}")
-
-    def _gateway_up(self, kafka: KafkaSettings) -> None:
-
-        if not _has_command("gateway-node"):
-            self._say("gateway-node", "skipped", "this build has no `rollwire gateway-node`: sessions will "
-                      "stay queued unless a gateway node runs elsewhere")
-            return
-        env = {"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap, "ROLLWIRE_GATEWAY_PROXY_URL": self.proxy_url}
-        try:
-            from producers.gateway.settings import GatewaySettings
-
-            gateway = GatewaySettings()
-            host, port = gateway.host, gateway.port
-        except Exception:  # noqa: BLE001 - its settings are another package's; fall back to no health URL
-            host, port = "127.0.0.1", 0
-        if port:
-            port, running = self._pick_port("gateway-node", host, port, "/health", "ROLLWIRE_GATEWAY_PORT", None)
-            if running:
-                self._say("gateway-node", "reused", f"http://{host}:{port}")
-                return
-            service = ServiceProcess(name="gateway-node", args=("gateway-node",),
-                                     health_url=f"http://{host}:{port}/health", env=env)
-            service.start(timeout_s=120)
-            self.started.append(service)
-        else:
-            detached = ServiceProcess(name="gateway-node", args=("gateway-node",), health_url=None, env=env)
-            if detached.pid() is not None:
-                self._say("gateway-node", "reused", f"pid {detached.pid()}")
-                return
-            detached.start()
-            self.started.append(detached)
-        self._say("gateway-node", "started", f"proxy {self.proxy_url}")
-
-    def _evaluator_up(self, kafka: KafkaSettings, name: str) -> None:
-        if not _has_command("evaluator", "run"):
-            self._say(f"evaluator {name}", "skipped", "this build has no `rollwire evaluator run`")
-            return
-        detached = ServiceProcess(name=f"evaluator-{name}", args=("evaluator", "run", name), health_url=None,
-                                  env={"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap})
-        if detached.pid() is not None:
-            self._say(f"evaluator {name}", "reused", f"pid {detached.pid()}")
-            return
-        try:
-            detached.start()
-        except DeployError as exc:
-            self._say(f"evaluator {name}", "skipped", f"it did not start: {exc}")
-            return
-        self.started.append(detached)
-        self._say(f"evaluator {name}", "started", str(detached.log_file))
+            try:
+                self._job_part(stack.evaluator(kafka, name), f"evaluator {name}")
+            except DeployError as exc:
+                self._say(f"evaluator {name}", "skipped", f"it did not start: {exc}")
+        grouping = GroupSettings()
+        self._job_part(stack.groups(kafka, stack.Port(grouping.host, grouping.port, move_if_taken=True)))
 
     def stop_started(self) -> None:
-        for service in reversed(self.started):
-            service.stop()  # type: ignore[attr-defined]
-            self.console.print(f"  stopped {service.name}")  # type: ignore[attr-defined]
+        for part in reversed(self.started):
+            assert part.stop is not None
+            part.stop()
+            self.console.print(f"  stopped {part.name}")
 
 
 # ---- following the tasks ------------------------------------------------------------------------------
@@ -422,10 +271,10 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         console.print("[red]no task to run[/red]")
         return 2
     evaluators = {line.request.evaluator.name for line in good if line.request.evaluator is not None}
-    stack = Stack(console, options)
+    running = Stack(console, options)
     try:
         try:
-            stack.up(evaluators)
+            running.up(evaluators)
         except Exception as exc:  # noqa: BLE001 - any part failing to start ends the job with its reason
             console.print(f"[red]the stack did not come up: {exc}[/red]", highlight=False)
             return 2
@@ -433,7 +282,7 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         with httpx.Client(timeout=30) as client:
             for line in good:
                 try:
-                    submitted.append(post_task(client, stack.server_url, line.request))
+                    submitted.append(post_task(client, running.server_url, line.request))
                 except (ValueError, httpx.HTTPError) as exc:
                     console.print(f"[red]{options.tasks_file}:{line.line_no}: refused: {exc}[/red]", highlight=False)
                     bad.append(BadLine(line.line_no, str(exc)))
@@ -442,15 +291,15 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         sessions = sum(len(s.session_ids) for s in submitted)
         harness = options.harness or "as in the tasks file"
         console.print(f"[bold]submitted[/bold] {len(submitted)} tasks, {sessions} sessions (harness {harness}) "
-                      f"to {stack.server_url}")
+                      f"to {running.server_url}")
         timeout_s = options.timeout_s or max(line.request.timeout_s for line in good) + 300
         task_ids = [s.task_id for s in submitted]
-        statuses = follow(console, stack.server_url, task_ids, timeout_s, options.live)
+        statuses = follow(console, running.server_url, task_ids, timeout_s, options.live)
         console.print(summary_table(statuses))
         failures = failures_table(statuses)
         if failures is not None:
             console.print(failures)
-        assert stack.kafka is not None
+        assert running.kafka is not None
         evaluator_names = {s.evaluator for s in statuses}
         criteria = SftCriteria(min_reward=SFT_MIN_REWARD,
                                evaluator=evaluator_names.pop() if len(evaluator_names) == 1 else None)
@@ -458,8 +307,8 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         expected = [t.task_id for t in statuses if t.sessions and all(s.trajectory_id for s in t.sessions)]
         console.print(f"reading this run's groups and building its SFT dataset in {sft_dir} …", highlight=False)
         try:
-            groups, sft = collect(stack.kafka, task_ids, [s.session_id for t in statuses for s in t.sessions],
-                                  expected, GROUP_WAIT_S if "groups" in stack.names else 0.0, sft_dir, criteria)
+            groups, sft = collect(running.kafka, task_ids, [s.session_id for t in statuses for s in t.sessions],
+                                  expected, GROUP_WAIT_S if "groups" in running.names else 0.0, sft_dir, criteria)
         except Exception as exc:  # noqa: BLE001 - the run's summary is still worth printing
             console.print(f"[red]reading groups / building the SFT dataset failed: {exc!r}[/red]", highlight=False)
             groups, sft = {}, {}
@@ -467,13 +316,13 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         console.print(groups_table(statuses, groups))
         if sft:
             console.print(acceptance_line(sft))
-        registry = stack.kafka.registry()
+        registry = running.kafka.registry()
         topics = {t.value: registry.name(t) for t in (Topic.TASKS, Topic.SESSIONS, Topic.SESSION_EVENTS,
                                                       Topic.COMPLETIONS, Topic.TRAJECTORIES, Topic.EVALUATIONS,
                                                       Topic.GROUPS)}
         files = [*sft.get("files", {}).values(), *_sink_files(started_at)]
-        console.print(outputs(topics, stack.server_url, task_ids, files))
-        if stack.started and not options.keep_services:
+        console.print(outputs(topics, running.server_url, task_ids, files))
+        if running.started and not options.keep_services:
             console.print("  (the results are served while a rollout server runs: `rollwire rollout-server` "
                           "rebuilds them from the topics)", highlight=False)
         missing = missing_trajectories(statuses)
@@ -487,5 +336,5 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         console.print(f"wall time {time.time() - started_at:.0f} s, exit code {code}", highlight=False)
         return code
     finally:
-        if not options.keep_services and stack.started:
-            stack.stop_started()
+        if not options.keep_services and running.started:
+            running.stop_started()

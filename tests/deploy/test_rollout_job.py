@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from bench.standin_engine import StandinConfig, create_app as create_standin
-from producers.rollout import job as rollout_job
+from deploy import job as rollout_job
 from producers.rollout.display import (
     acceptance_line,
     groups_table,
@@ -207,9 +207,9 @@ def test_job_runs_sessions_and_delivers_rewards_groups_and_sft(kafka_bootstrap: 
     the group with its advantages, the acceptance rate and an SFT dataset that `datasets` loads."""
     import datasets
 
-    from deploy import cli as deploy_cli
-    from deploy.kafka import delete_topics
-    from producers.rollout.results import read_groups
+    from deploy.job_results import read_groups
+    from deploy.services import ServiceProcess
+    from schemas.transport.admin import delete_topics
 
     script = tmp_path / "harness.py"
     script.write_text(HARNESS)
@@ -239,8 +239,8 @@ def test_job_runs_sessions_and_delivers_rewards_groups_and_sft(kafka_bootstrap: 
                            if "/v1/tasks/job-r" in line)
             groups = asyncio.run(read_groups(kafka, [task_id], [task_id], 0))
         finally:
-            deploy_cli._proxy_service(kafka, engine_url).stop()
-            deploy_cli._processors_service(kafka).stop()
+            for base_service in ("proxy", "processors"):  # the base stack stays up after a job: stop it here
+                ServiceProcess(name=base_service, args=(), health_url=None).stop()
             asyncio.run(delete_topics(kafka_bootstrap, kafka.topic_prefix))  # the workers' own topics too
     text = console.export_text()
     for part in ("proxy", "processors", "rollout-server", "gateway-node", "evaluator tests", "groups"):
