@@ -265,8 +265,8 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
     run_id = time.strftime("%m%d%H%M%S") + secrets.token_hex(1)
     good, bad = load_tasks(options.tasks_file, Overrides(harness=options.harness, samples=options.samples,
                                                          task_id_suffix=f"r{run_id}"))
-    for line in bad:
-        console.print(f"[red]{options.tasks_file}:{line.line_no}: {line.error}[/red]", highlight=False)
+    for refused in bad:
+        console.print(f"[red]{options.tasks_file}:{refused.line_no}: {refused.error}[/red]", highlight=False)
     if not good:
         console.print("[red]no task to run[/red]")
         return 2

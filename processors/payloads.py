@@ -3,7 +3,7 @@
 A completion record is 10-50 kB. Copying it into a changelogged table would write it to RocksDB and
 send it to Kafka a second time (the changelog), doubling the bytes the broker handles and paying a
 compression per record. The ``completions`` topic is already a retained log, so the tables keep one
-small :class:`~processors.sessions.CallRef` (partition, offset) per completion, and the bytes live in:
+small :class:`~processors.open_sessions.CallRef` (partition, offset) per completion, and the bytes live in:
 
 - :class:`PayloadCache`, an in-memory, size-bounded map (partition, offset) -> record value filled as
   records are read. It is derived data: lost on restart, trimmed on rebalance, evicted oldest-first when

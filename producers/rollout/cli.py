@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -19,7 +20,7 @@ def rollout_server(host: str = typer.Option(None, help="Listen address (ROLLWIRE
 
     from producers.rollout.server import create_app
 
-    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v}
+    overrides: dict[str, Any] = {k: v for k, v in {"host": host, "port": port}.items() if v}
     settings = RolloutServerSettings(**overrides)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
                 access_log=False)
