@@ -167,8 +167,7 @@ class BranchStore:
                         finish_reason=None, structured=_structured(harness_request or request))
         self._opened += 1
         self._branches[branch.branch_id] = branch
-        while len(self._branches) > MAX_BRANCHES:
-            self._branches.popitem(last=False)
+        self._evict()
         return branch
 
     def record(self, branch: Branch, request: NormalizedRequest, sequence: int, prompt: list[int],
@@ -188,7 +187,15 @@ class BranchStore:
         branch.last_sequence = sequence
         branch.finish_reason = finish_reason
         branch.closed = closed and bool(sampled)
+        # Most recently used last; a branch evicted while its call was in flight (the session opened
+        # MAX_BRANCHES others meanwhile) comes back, since its call was the latest to end.
+        self._branches[branch.branch_id] = branch
         self._branches.move_to_end(branch.branch_id)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._branches) > MAX_BRANCHES:
+            self._branches.popitem(last=False)
 
 
 def _first_turn(history: list[ChatMessage]) -> int:

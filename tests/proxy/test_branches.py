@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.branches import BranchStore
+from proxy.branches import MAX_BRANCHES, BranchStore
 from proxy.equivalence import same_arguments, same_message
 from schemas.completions import ChatMessage, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 
@@ -113,3 +113,20 @@ def test_first_structured_call_is_side_not_main() -> None:
     store = BranchStore()
     router = request(USER, tools=[], response_format={"type": "json_schema"})
     assert store.place(router, router).role == "side"
+
+
+def test_a_branch_evicted_while_its_call_is_in_flight_is_recorded_and_continued() -> None:
+    store = BranchStore()
+    first = request(SYSTEM, USER)
+    placement = store.place(first)
+    in_flight = store.open(placement, first, 0)
+    for i in range(MAX_BRANCHES):  # concurrent calls with other histories open branches meanwhile
+        other = request(SYSTEM, ChatMessage(role="user", content=f"other task {i}"))
+        store.open(store.place(other), other, i + 1)
+    assert len(store) == MAX_BRANCHES
+    store.record(in_flight, first, 0, list(range(10)), [100, 101], served(call()), "tool_calls", closed=True,
+                 retry=False)
+    assert len(store) == MAX_BRANCHES
+    follow_up = request(SYSTEM, USER, served(call()), ChatMessage(role="tool", content="ok", tool_call_id="c1"))
+    placement = store.place(follow_up)
+    assert placement.kind == "continue" and placement.branch is in_flight
