@@ -47,3 +47,27 @@ class SessionState(Model):
     live: bool
     calls: int
     origin: str
+
+
+class WeightUpdate(Model):
+    """POST /v1/policy/weights on the proxy: load new weights into the running engine, no restart.
+
+    The proxy holds new calls, lets the calls in flight finish on the current weights, has the engine load
+    ``weights_path`` (a Hugging Face checkpoint folder the engine can read: safetensors and config), sets
+    the engine's weight version to ``version``, and lets the held calls go."""
+
+    weights_path: str = Field(min_length=1, description="Checkpoint folder, as the engine's host sees it.")
+    version: str = Field(pattern=r"^v?\d{1,18}$", description="The new policy version, a whole number (or v7).")
+    drain_timeout_s: float = Field(default=600.0, gt=0, description=(
+        "How long to wait for calls in flight to finish on the old weights before the update fails."))
+
+
+class PolicyState(Model):
+    """GET /v1/policy on the proxy, and the answer to a weight update."""
+
+    served_model: str | None = None
+    version: str = Field(description="The engine's current weight version.")
+    updating: bool = False
+    updates: int = Field(default=0, ge=0, description="Weight updates this proxy coordinated.")
+    last_paused_ms: float | None = None
+    held_calls: int = Field(default=0, ge=0, description="Calls waiting now for an update to finish.")

@@ -20,6 +20,7 @@ from schemas.dead_letter import DeadLetter
 from schemas.envelope import Event, utcnow
 from schemas.evaluations import Evaluation
 from schemas.groups import Group
+from schemas.policy import WeightsUpdated
 from schemas.sessions import SessionEnded, SessionSpec, SessionStageChanged
 from schemas.tasks import TaskAccepted
 from schemas.topics import TopicSpec
@@ -27,7 +28,7 @@ from schemas.trajectories import Trajectory
 
 EVENT_MODELS: tuple[type[Event], ...] = (
     TaskAccepted, SessionSpec, SessionStageChanged, SessionEnded, Completion, Evaluation, Trajectory,
-    Group, DeadLetter,
+    Group, WeightsUpdated, DeadLetter,
 )
 EVENT_TYPES: dict[str, type[Event]] = {
     model.model_fields["event_type"].default: model for model in EVENT_MODELS

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from schemas.envelope import Event, Model
+from schemas.policy import PolicyRange
 from schemas.sessions import FailureKind, SessionStatus
 from schemas.topics import Topic
 
@@ -34,6 +35,8 @@ class Group(Event):
     task_id: str = Field(min_length=1)
     group_id: str | None = None
     policy_version: str | None = None
+    policy_versions: PolicyRange | None = Field(default=None, description=(
+        "The oldest and newest engine weight version among its samples' trajectories."))
     samples: list[GroupSample]
     baseline_mean: float | None = None
     baseline_std: float | None = None

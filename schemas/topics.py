@@ -37,6 +37,7 @@ class Topic(str, enum.Enum):
     EVALUATIONS = "evaluations"
     TRAJECTORIES = "trajectories"
     GROUPS = "groups"
+    POLICY = "policy"
     DEAD_LETTER = "dead-letter"
 
 
@@ -45,6 +46,7 @@ class KeyedBy(str, enum.Enum):
 
     TASK_ID = "task_id"
     SESSION_ID = "session_id"
+    SERVED_MODEL = "served_model"
     ORIGINAL_KEY = "original_key"
 
 
@@ -122,6 +124,10 @@ class TopicRegistry:
             case Topic.GROUPS:
                 return TopicSpec(topic, name, KeyedBy.TASK_ID, t, retention_ms=-1,
                                  event_types=frozenset({"group"}))
+            case Topic.POLICY:
+                # One record per weight push: small, kept as the history of which weights served when.
+                return TopicSpec(topic, name, KeyedBy.SERVED_MODEL, 1, retention_ms=-1,
+                                 event_types=frozenset({"policy.weights_updated"}))
             case Topic.DEAD_LETTER:
                 return TopicSpec(topic, name, KeyedBy.ORIGINAL_KEY, t, retention_ms=4 * _WEEK_MS,
                                  event_types=frozenset({"dead_letter"}))

@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from schemas.arrays import Logprobs, LossMask, TokenIds
 from schemas.completions import BranchRole
 from schemas.envelope import Event, Model
+from schemas.policy import PolicyRange
 from schemas.sessions import FailureKind, SessionStatus
 from schemas.tasks import BuilderName
 from schemas.topics import Topic
@@ -85,6 +86,8 @@ class Trajectory(Event):
     task_id: str | None = None
     builder: BuilderName
     policy_version: str | None = None
+    policy_versions: PolicyRange | None = Field(default=None, description=(
+        "The oldest and newest engine weight version its completions' tokens were sampled under."))
     session_status: SessionStatus | None = None
     failure: FailureKind | None = None
     partial: bool = Field(default=False, description="Built before the session ended (deadline passed).")

@@ -21,6 +21,7 @@ from schemas.completions import (
 from schemas.dead_letter import DeadLetter
 from schemas.envelope import Event
 from schemas.evaluations import Evaluation
+from schemas.policy import PolicyRange, WeightsUpdated
 from schemas.groups import Group, GroupSample
 from schemas.sessions import (
     FailureKind,
@@ -92,13 +93,16 @@ def every_event() -> list[Event]:
         Evaluation(session_id="sess-1", task_id="task-1", evaluator="pytest", reward=1.0, passed=True,
                    details={"passed": 12, "failed": 0}),
         Trajectory(session_id="sess-1", task_id="task-1", builder="prefix_merging", traces=[trace],
-                   stats=TrajectoryStats(completions=2, traces=1, merged=1, branches=1)),
+                   stats=TrajectoryStats(completions=2, traces=1, merged=1, branches=1),
+                   policy_versions=PolicyRange(oldest=2, newest=3)),
         Group(task_id="task-1", group_id="g-1", samples=[
             GroupSample(session_id="sess-1", reward=1.0, advantage=0.7, status=SessionStatus.COMPLETED,
                         in_baseline=True),
             GroupSample(session_id="sess-2", reward=None, advantage=None, status=SessionStatus.ERROR,
                         failure=FailureKind.INFRASTRUCTURE, in_baseline=False),
-        ], baseline_mean=0.5, baseline_std=0.5),
+        ], baseline_mean=0.5, baseline_std=0.5, policy_versions=PolicyRange(oldest=2, newest=3)),
+        WeightsUpdated(served_model="tiny-qwen3", version="3", previous_version="2", weights_path="/ckpt/3",
+                       paused_ms=412.5, load_ms=300.0, held_calls=2, drained_calls=1),
         DeadLetter(source_topic="rollwire.completions", partition=0, offset=7, original_key="c2Vzcy0x",
                    error_type="invalid_json", reason="not JSON", payload="e30=", payload_bytes=2),
     ]
