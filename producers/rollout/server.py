@@ -115,7 +115,11 @@ class RolloutService:
             raise TaskNotFound(f"no task {task_id!r} was accepted")
         status.callback = self.callbacks.state(task_id)
         if status.callback is None and (accepted := self.view.task(task_id)) and accepted.request.callback_url:
-            status.callback = CallbackState(url=accepted.request.callback_url)
+            # Not handed to the sender yet (a restarted server folds the log first): the record of
+            # deliveries still says whether an earlier run delivered it.
+            delivered = task_id in self.callbacks.log
+            status.callback = CallbackState(url=accepted.request.callback_url,
+                                            state="delivered" if delivered else "waiting")
         return status
 
 
