@@ -39,7 +39,25 @@ reply of two or more chunks has sent some tokens first). The modes, shaped as vL
 - ``no_token_ids``: the reply, whole or streamed, without ``prompt_token_ids`` and ``token_ids`` (a
   vLLM started without ``return_token_ids`` support).
 
-    python -m bench.standin_engine --port 18001 --latency-ms 20
+With ``dev_mode`` (``--dev-mode``; vLLM registers these only with ``VLLM_SERVER_DEV_MODE=1``) it also
+serves vLLM's weight-update endpoints, with the shapes recorded in ``tests/fixtures/vllm/weights_*.json``,
+so the proxy's weight sync (``POST /v1/policy/weights``) and a learning loop run against it:
+
+- ``GET /weight_info`` → ``{"weight_version": "default"}`` until ``POST /update_weight_version
+  {"new_version": V}`` sets ``V``; generate's ``weight_versions`` spans name the version (a generate
+  during which the version changed reports two spans, split in the middle);
+- ``POST /pause`` (any ``mode``): new chat and generate requests wait until ``POST /resume``; requests
+  already running finish on their own; ``GET /is_paused``;
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": P}}``: records ``P`` in
+  ``Standin.loaded_paths`` and sleeps ``reload_ms`` (no weights change: the stand-in has none). As vLLM
+  does, it fails (HTTP 500, vLLM's error object) when ``P`` is neither an existing folder nor the
+  stand-in's own ``root`` (its model name, on ``/v1/models``), and then, as vLLM 0.32's half-loaded model
+  does, fails every chat and generate request (500) until a reload succeeds; any other method fails;
+- ``POST /reset_prefix_cache`` → ``{"success": true}`` (counted in ``Standin.prefix_cache_resets``).
+
+Without ``dev_mode`` these paths are 404, as on vLLM without dev mode.
+
+    python -m bench.standin_engine --port 18001 --latency-ms 20 [--token-api] [--dev-mode --reload-ms 50]
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -89,6 +108,8 @@ class StandinConfig:
     chunk_tokens: int = 1
     bytes_per_token: int = 1
     token_api: bool = False  # serve vLLM's token endpoints (bench/standin_tokens.py), as --enable-scale-out does
+    dev_mode: bool = False  # serve vLLM's weight-update endpoints, as VLLM_SERVER_DEV_MODE=1 does
+    reload_ms: float = 50.0  # how long reload_weights takes
 
 
 class Standin:
@@ -104,6 +125,21 @@ class Standin:
         self.usage_chunk = next(c for c in stream if not c["choices"])
         self.error_template = load_fixture("error_context_overflow.json")["response"]
         self.requests = 0
+        self.weight_version = "default"  # vLLM's name for the weights it started with
+        self.loaded_paths: list[str] = []
+        self.prefix_cache_resets = 0
+        self._running: asyncio.Event | None = None  # cleared while paused (made on the server's loop)
+        self.broken = False  # a failed reload_weights: every request fails until a good reload
+
+    def broken_reply(self) -> JSONResponse | None:
+        """vLLM's answer once its engine core died (a forward pass over half-loaded weights), else None."""
+        return self.error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.") \
+            if self.broken else None
+
+    async def until_running(self) -> None:
+        """Wait while the engine is paused (a weight update); at once otherwise."""
+        if self._running is not None and not self._running.is_set():
+            await self._running.wait()
 
     def error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
         """vLLM's error object: ``BadRequestError`` for a 4xx, ``InternalServerError`` for a 5xx."""
@@ -113,8 +149,10 @@ class Standin:
         return JSONResponse(body, status_code=status)
 
     async def models(self, request: Request) -> JSONResponse:
+        # vLLM's root is the folder (or hub id) it loaded: the stand-in's is its model name.
         return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model",
-                                                          "owned_by": "vllm", "max_model_len": self.config.max_model_len}]})
+                                                          "owned_by": "vllm", "root": self.config.model, "parent": None,
+                                                          "max_model_len": self.config.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -130,6 +168,9 @@ class Standin:
 
     async def chat(self, request: Request) -> Response:
         self.requests += 1
+        await self.until_running()
+        if (broken := self.broken_reply()) is not None:
+            return broken
         try:
             body = orjson.loads(await request.body())
             fail = request.headers.get("x-standin-fail") or body.get("standin_fail")
@@ -278,7 +319,83 @@ class Standin:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ]
-        return Starlette(routes=routes + (TokenEndpoints(self).routes() if self.config.token_api else []))
+        if self.config.token_api:
+            routes += TokenEndpoints(self).routes()
+        if self.config.dev_mode:
+            routes += WeightEndpoints(self).routes()
+        return Starlette(routes=routes)
+
+
+class WeightEndpoints:
+    """vLLM's weight-update endpoints on a stand-in (see the module docstring), replies as recorded."""
+
+    def __init__(self, standin: Standin) -> None:
+        self.standin = standin
+        self.replies = {name: load_fixture(f"weights_{name}.json")["response"]
+                        for name in ("pause", "resume", "reload", "update_version", "reset_prefix_cache")}
+        self.reload_error = load_fixture("weights_reload_missing.json")["response"]
+
+    def _running(self) -> asyncio.Event:
+        if self.standin._running is None:
+            self.standin._running = asyncio.Event()
+            self.standin._running.set()
+        return self.standin._running
+
+    async def weight_info(self, request: Request) -> JSONResponse:
+        return JSONResponse({"weight_version": self.standin.weight_version})
+
+    async def is_paused(self, request: Request) -> JSONResponse:
+        return JSONResponse({"is_paused": not self._running().is_set()})
+
+    async def pause(self, request: Request) -> JSONResponse:
+        self._running().clear()
+        return JSONResponse(self.replies["pause"])
+
+    async def resume(self, request: Request) -> JSONResponse:
+        self._running().set()
+        return JSONResponse(self.replies["resume"])
+
+    async def update_weight_version(self, request: Request) -> JSONResponse:
+        try:
+            version = (await request.json())["new_version"]
+        except (ValueError, KeyError, TypeError) as exc:
+            return self.standin.error(400, f"update_weight_version needs a JSON body with new_version: {exc!r}")
+        self.standin.weight_version = str(version)
+        return JSONResponse({**self.replies["update_version"], "new_version": str(version)})
+
+    async def collective_rpc(self, request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+            method, path = body["method"], (body.get("kwargs") or {}).get("weights_path")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return self.standin.error(400, f"collective_rpc needs a JSON body with a method: {exc!r}")
+        if method != "reload_weights":
+            return self._failed(f"the stand-in runs only reload_weights, not {method!r}")
+        await asyncio.sleep(self.standin.config.reload_ms / 1000)
+        if path is not None and path != self.standin.config.model and not os.path.isdir(path):
+            self.standin.broken = True  # as vLLM 0.32: the model is left half-loaded
+            return self._failed(f"Call to collective_rpc method failed: Worker failed with error '{path} is not "
+                                "a folder the engine can read', please check the stack trace above for the root cause")
+        self.standin.broken = False
+        self.standin.loaded_paths.append(path or self.standin.config.model)
+        return JSONResponse(self.replies["reload"])
+
+    def _failed(self, message: str) -> JSONResponse:
+        """vLLM's answer when a worker raises in collective_rpc (its error object, HTTP 500)."""
+        body = copy.deepcopy(self.reload_error)
+        body["error"]["message"] = message
+        return JSONResponse(body, status_code=500)
+
+    async def reset_prefix_cache(self, request: Request) -> JSONResponse:
+        self.standin.prefix_cache_resets += 1
+        return JSONResponse(self.replies["reset_prefix_cache"])
+
+    def routes(self) -> list[Route]:
+        return [Route("/weight_info", self.weight_info), Route("/is_paused", self.is_paused),
+                Route("/pause", self.pause, methods=["POST"]), Route("/resume", self.resume, methods=["POST"]),
+                Route("/update_weight_version", self.update_weight_version, methods=["POST"]),
+                Route("/collective_rpc", self.collective_rpc, methods=["POST"]),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])]
 
 
 def create_app(config: StandinConfig | None = None) -> Starlette:
@@ -296,10 +413,13 @@ def main() -> None:
     parser.add_argument("--bytes-per-token", type=int, default=1)
     parser.add_argument("--token-interval-ms", type=float, default=0.0)
     parser.add_argument("--token-api", action="store_true", help="serve the token endpoints (exact continuation)")
+    parser.add_argument("--dev-mode", action="store_true", help="serve the weight-update endpoints (weight sync)")
+    parser.add_argument("--reload-ms", type=float, default=50.0, help="how long reload_weights takes")
     args = parser.parse_args()
     config = StandinConfig(latency_ms=args.latency_ms, reply_tokens=args.reply_tokens,
                            chunk_tokens=args.chunk_tokens, bytes_per_token=args.bytes_per_token,
-                           token_interval_ms=args.token_interval_ms, token_api=args.token_api)
+                           token_interval_ms=args.token_interval_ms, token_api=args.token_api,
+                           dev_mode=args.dev_mode, reload_ms=args.reload_ms)
     uvicorn.run(create_app(config), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 

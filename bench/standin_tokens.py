@@ -11,7 +11,8 @@ and a closed turn is followed by the template's ``\\n``. The prompt layout is th
 - render: the chat request's prompt ids and vLLM-shaped ``sampling_params`` (``vllm_xargs`` as
   ``extra_args``, ``structured_outputs``, the stand-in's ``standin_fail`` carried there too);
 - generate: the reply the chat endpoint would give for the same request (forced text or ids, a literal
-  regex, or seeded words), for the given ids; ``standin_fail``: ``overflow``, ``error``, ``hang``;
+  regex, or seeded words), for the given ids, with the stand-in's weight version spans;
+  ``standin_fail``: ``overflow``, ``error``, ``hang``;
 - derender: the generate reply's ids read back as text, tool calls parsed when the request offered tools.
 """
 
@@ -50,11 +51,16 @@ class StandinHost(Protocol):
     settings, its request counter, and vLLM's error response."""
 
     requests: int
+    weight_version: str
 
     @property
     def config(self) -> StandinSettings: ...
 
+    async def until_running(self) -> None: ...
+
     def error(self, status: int, message: str, param: str | None = None) -> Response: ...
+
+    def broken_reply(self) -> Response | None: ...
 
 
 def tokenize_chat(text: str, bytes_per_token: int = 1) -> list[int]:
@@ -94,6 +100,14 @@ def _prompt(body: dict[str, Any]) -> str:
     return text
 
 
+def _spans(first: str, last: str, tokens: int) -> list[dict[str, Any]]:
+    """vLLM's weight version spans: one, or two split in the middle when the version changed meanwhile."""
+    if first == last:
+        return [{"version": first, "start": 0, "end": tokens}]
+    middle = tokens // 2
+    return [{"version": first, "start": 0, "end": middle}, {"version": last, "start": middle, "end": tokens}]
+
+
 class TokenEndpoints:
     """Handlers bound to one stand-in."""
 
@@ -125,6 +139,10 @@ class TokenEndpoints:
 
     async def generate(self, request: Request) -> Response:
         self.standin.requests += 1
+        await self.standin.until_running()
+        if (broken := self.standin.broken_reply()) is not None:
+            return broken
+        version_at_start = self.standin.weight_version
         try:
             body = orjson.loads(await request.body())
             prompt: list[int] = list(body["token_ids"])
@@ -156,7 +174,7 @@ class TokenEndpoints:
         out = copy.deepcopy(self.generate_template)
         choice = out["choices"][0]
         choice.update(token_ids=ids, finish_reason=finish, stop_reason=None,
-                      weight_versions=[{"version": "default", "start": 0, "end": len(ids)}],
+                      weight_versions=_spans(version_at_start, self.standin.weight_version, len(ids)),
                       logprobs={"content": [{"token_id": t, "logprob": text_model.logprob(t, i), "rank": 1,
                                              "top_logprobs": []} for i, t in enumerate(ids)]})
         out.update(request_id=f"generate-tokens-{uuid.uuid4().hex[:16]}", created=int(time.time()),

@@ -5,11 +5,16 @@ body within limits (:mod:`proxy.limits`), and hand the call to :class:`~proxy.ca
 are rendered in the caller's protocol (OpenAI's, Anthropic's or Gemini's error object on their routes,
 unknown paths and methods under them included; ``{"detail": ...}`` on rollwire's own API), and every
 call past the key is recorded, refused ones as failed calls.
+
+The policy API (``GET /v1/policy``, ``POST /v1/policy/weights``: :mod:`proxy.policy`) answers
+:class:`~schemas.api.PolicyState`; with ``ROLLWIRE_PROXY_ADMIN_TOKEN`` set it needs that token as a
+bearer token (a session's key never works there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 import time
@@ -22,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.anthropic_messages import MessagesApi
@@ -34,10 +40,12 @@ from proxy.engine import VllmEngine
 from proxy.errors import CaptureFailed, NotFound, ProxyError, UpgradeRequired, as_proxy_error
 from proxy.limits import check_request, decode_json_body, read_body, require_json_media_type
 from proxy.metrics import ProxyMetrics
+from proxy.policy import Policy
 from proxy.providers import ParsedCall, ProviderAdapter, Route
 from proxy.session_registry import LiveSession, RegistryFeed, SessionRegistry
 from proxy.settings import ProxySettings
-from schemas.api import SessionCreate, SessionCreated, SessionEnd, SessionState
+from proxy.weight_api import WeightApi
+from schemas.api import PolicyState, SessionCreate, SessionCreated, SessionEnd, SessionState, WeightUpdate
 from schemas.completions import NormalizedRequest, ProviderApi
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.transport import KafkaSettings
@@ -58,6 +66,7 @@ class ProxyState:
     feed: RegistryFeed
     recorder: Recorder
     engine: VllmEngine
+    policy: Policy
     service: CallService
     metrics: ProxyMetrics
     max_body_bytes: int
@@ -96,8 +105,9 @@ def _context(request: Request, api: ProviderApi, session: LiveSession, raw: byte
     sequence, retry_of = session.take_sequence(digest, retry_count)
     hints = {name: request.headers[name] for name in _HINT_HEADERS if name in request.headers}
     body = raw.decode("utf-8", errors="replace") if keep_body and raw is not None else None
+    # policy_version: the engine's, once the call passes the policy gate (proxy/calls.py); None before.
     return CallContext(api=api, session_id=session.session_id, task_id=session.spec.task_id,
-                       policy_version=session.spec.policy_version, sequence=sequence,
+                       policy_version=None, sequence=sequence,
                        requested_model=None, served_model=None, digest=digest, body=body,
                        retry_of=retry_of, retry_count=retry_count, agent_hints=hints)
 
@@ -124,7 +134,7 @@ def _provider_for_path(path: str) -> str:
         return "gemini"
     if "/v1/messages" in path:
         return "anthropic"
-    if path.startswith("/v1/sessions"):
+    if path.startswith(("/v1/sessions", "/v1/policy")):
         return "rollwire"
     return "openai"
 
@@ -141,11 +151,14 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         registry = SessionRegistry()
         recorder = Recorder(kafka, settings.capture_timeout_s)
         engine = VllmEngine(settings, transport=engine_transport)
-        state = ProxyState(settings, kafka, registry, RegistryFeed(kafka, registry), recorder, engine,
-                           CallService(engine, recorder, metrics, upstream_stream=settings.upstream_stream), metrics,
-                           settings.max_body_bytes(kafka.max_message_bytes))
+        policy = Policy(WeightApi(engine.client, settings.weight_update_timeout_s), recorder, metrics,
+                        engine.served_model, settings.policy_floor_wait_s)
+        service = CallService(engine, recorder, metrics, policy, upstream_stream=settings.upstream_stream)
+        state = ProxyState(settings, kafka, registry, RegistryFeed(kafka, registry), recorder, engine, policy,
+                           service, metrics, settings.max_body_bytes(kafka.max_message_bytes))
         await recorder.start()
         state.feed.start()
+        await policy.learn()  # the engine's version now if it is up; else the first call asks
         app.state.proxy = state
         try:
             yield
@@ -343,6 +356,36 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         return SessionState(session_id=session_id, live=False, calls=session.next_sequence,
                             origin=session.spec.origin)
 
+    # -- policy -------------------------------------------------------------------------------------
+    @app.get("/v1/policy", response_model=PolicyState)
+    async def get_policy(request: Request) -> PolicyState | JSONResponse:
+        state = state_of(request)
+        if (refused := _admin_refusal(request, settings)) is not None:
+            return refused
+        await state.policy.refresh()
+        try:
+            return state.policy.state(await _served_model(state))
+        except ProxyError as exc:
+            return _api_error(exc.status_code, exc.message)
+
+    @app.post("/v1/policy/weights", response_model=PolicyState)
+    async def update_weights(request: Request) -> PolicyState | JSONResponse:
+        """Load new weights into the engine through the proxy (see proxy/policy.py); one at a time."""
+        state = state_of(request)
+        if (refused := _admin_refusal(request, settings)) is not None:
+            return refused
+        try:
+            body = WeightUpdate.model_validate_json(await read_body(request, _POLICY_BODY_BYTES))
+        except ValidationError as exc:
+            return _api_error(422, _validation_text(exc))
+        except ProxyError as exc:
+            return _api_error(exc.status_code, exc.message)
+        try:
+            # Shielded: a trainer that hangs up mid-update must not leave the gate closed or the engine paused.
+            return await asyncio.shield(state.policy.update(body))
+        except ProxyError as exc:
+            return _api_error(exc.status_code, exc.message)
+
     # -- operations ---------------------------------------------------------------------------------
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
@@ -395,6 +438,37 @@ async def _publish(state: ProxyState, event: SessionSpec | SessionEnded) -> JSON
 
 def _api_error(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status)
+
+
+_POLICY_BODY_BYTES = 64 * 1024
+
+
+def _admin_refusal(request: Request, settings: ProxySettings) -> JSONResponse | None:
+    """A 401 unless the request carries the admin token (when one is configured); None lets it through."""
+    token = settings.proxy_admin_token
+    if not token:
+        return None
+    auth = request.headers.get("authorization", "")
+    given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if given and hmac.compare_digest(given.encode(), token.encode()):
+        return None
+    return JSONResponse({"detail": "the policy API needs the proxy's admin token: send "
+                                   "`Authorization: Bearer <ROLLWIRE_PROXY_ADMIN_TOKEN>`"},
+                        status_code=401, headers={"www-authenticate": "Bearer"})
+
+
+def _validation_text(exc: ValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "body: invalid request"
+    return f"{'.'.join(str(p) for p in errors[0]['loc']) or 'body'}: {errors[0]['msg']}"
+
+
+async def _served_model(state: ProxyState) -> str | None:
+    try:
+        return await state.engine.served_model()
+    except ProxyError:
+        return None
 
 
 async def _prepend(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

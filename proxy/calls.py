@@ -7,6 +7,10 @@ only once the event is acknowledged; if capture fails the stream ends with an er
 harness retries rather than keeping unrecorded tokens. A failed call is recorded too, with its reason,
 exactly once (:meth:`CallService.record_failure`; the HTTP layer uses it for calls refused before they
 reach the engine).
+
+Every call passes the policy gate (:meth:`proxy.policy.Policy.admit`) before its first engine request and
+leaves it when the engine is done with it, so that a weight update can hold new calls and drain running
+ones; the event carries the policy version the call was sampled under.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from proxy.errors import (
     as_proxy_error,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.policy import Admission, Policy, floor_of, sampled_version
 from proxy.providers import Renderer
 from proxy.session_registry import LiveSession
 from proxy.token_api import TokenApi, TokenApiMissing
@@ -51,9 +56,10 @@ logger = logging.getLogger(__name__)
 class CallService:
     """Runs calls against the engine and records them: every call that reaches it leaves one event."""
 
-    def __init__(self, engine: VllmEngine, recorder: Recorder, metrics: ProxyMetrics, *,
+    def __init__(self, engine: VllmEngine, recorder: Recorder, metrics: ProxyMetrics, policy: Policy, *,
                  upstream_stream: bool = True) -> None:
         self.engine = engine
+        self.policy = policy
         self.tokens = TokenApi(engine.client)
         self.continuations = Continuations(self.tokens)
         self.recorder = recorder
@@ -87,6 +93,13 @@ class CallService:
         _check_turn(turn)
         await self.recorder.record_completion(completion_event(ctx, request, turn))
 
+    async def _admit(self, ctx: CallContext, session: LiveSession) -> Admission:
+        """Pass the policy gate (held while a weight update runs, or until the engine serves the session's
+        floor); the call runs under the version known now."""
+        admission = await self.policy.admit(floor_of(session.spec.policy_version))
+        ctx.policy_version = admission.version
+        return admission
+
     async def _prepare(self, request: NormalizedRequest, stream: bool) -> tuple[NormalizedRequest, dict, str]:
         """The request as it will be sent (fitted to the engine), its engine body, and the served model."""
         model = await self.engine.served_model()
@@ -102,8 +115,10 @@ class CallService:
         harness_request = request
         request = effective_request(request, session.spec.engine)
         turn: EngineTurn | None = None
+        admission: Admission | None = None
         try:
             await self.recorder.ensure_ready()
+            admission = await self._admit(ctx, session)
             request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
             placement = session.branches.place(request, harness_request)
@@ -113,12 +128,18 @@ class CallService:
             if turn is None:
                 turn = await self.engine.complete(body)
                 ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
+            admission.leave()  # the engine is done: recording must not hold up a weight update's drain
             ctx.first_token_at = utcnow()
             await self._record_turn(ctx, request, turn)
         except Exception as exc:
+            if admission is not None:
+                admission.leave()
             error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
             await self.record_failure(ctx, request, error, turn)
             raise error from exc
+        finally:
+            if admission is not None:
+                admission.leave()  # cancelled
         _remember(session, placement, request, ctx.sequence, turn, harness_request)
         self.metrics.event("ok")
         self.metrics.continuation(ctx.api, ctx.continuation)
@@ -147,6 +168,7 @@ class CallService:
             TokenApi.generate_body(rendered, prompt, self._room(request, prompt)))
         turn = await self.tokens.derender(generation, body, prompt, model)
         ctx.weight_versions = generation.weight_versions
+        ctx.policy_version = sampled_version(generation.weight_versions) or ctx.policy_version
         exact_mode = placement.kind in ("continue", "retry") and placement.branch is not None
         drift = None
         if exact_mode:
@@ -208,8 +230,10 @@ class CallService:
         assembler = TurnAssembler()
         outcome = "aborted"
         started = False  # once a chunk is out, errors can only be told in the stream itself
+        admission: Admission | None = None
         try:
             await self.recorder.ensure_ready()
+            admission = await self._admit(ctx, session)
             request, body, ctx.served_model = await self._prepare(request, stream=True)
             ctx.upstream_started_at = utcnow()
             deltas = self.engine.stream(body)
@@ -223,6 +247,7 @@ class CallService:
                         yield chunk
             finally:
                 await deltas.aclose()
+                admission.leave()
             turn = assembler.turn()
             ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
             # Once the turn is whole its event is written whatever the client does: shielded, so that a
@@ -236,6 +261,8 @@ class CallService:
             outcome = "recorded"
         except Exception as exc:
             outcome = "failed"
+            if admission is not None:
+                admission.leave()
             error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
             await self.record_failure(ctx, request, error, assembler.turn())
             if not started:
@@ -244,6 +271,8 @@ class CallService:
                 yield chunk
             return
         finally:
+            if admission is not None:
+                admission.leave()
             if outcome == "aborted":
                 # The harness went away (we were cancelled or closed mid-stream): record that in a task of
                 # its own, since this one may not await anything any more.

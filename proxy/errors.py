@@ -105,6 +105,44 @@ class ClientDisconnected(ProxyError):
     kind, status_code = "client_disconnected", 499
 
 
+class PolicyNotReady(EngineUnavailable):
+    """The session asks for a newer policy version than the engine serves, and none came in time."""
+
+
+class PolicyError(ProxyError):
+    """A weight update (``POST /v1/policy/weights``) that cannot be done; answered on rollwire's own API."""
+
+
+class PolicyConflict(PolicyError):
+    """Another update is in progress, or the version asked for is not newer than the one serving."""
+
+    kind, status_code = "bad_request", 409
+
+
+class CheckpointRefused(PolicyError):
+    """The checkpoint would not load correctly into this engine (the message says what to change)."""
+
+    kind, status_code = "bad_request", 422
+
+
+class DrainTimeout(PolicyError):
+    """Calls in flight did not finish on the old weights within the update's drain timeout."""
+
+    kind, status_code = "engine_timeout", 504
+
+
+class WeightApiMissing(PolicyError):
+    """The engine serves no weight endpoints (vLLM registers them only with ``VLLM_SERVER_DEV_MODE=1``)."""
+
+    kind, status_code = "engine_unavailable", 503
+
+
+class WeightUpdateFailed(PolicyError):
+    """The engine failed a step of the update; its message is kept."""
+
+    kind, status_code = "engine_error", 502
+
+
 class UnrecordableEvent(ProxyError):
     """The call's event cannot be written as it is (over the record limit, or not encodable); not retryable.
 

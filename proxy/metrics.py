@@ -1,5 +1,6 @@
-"""Prometheus metrics for the proxy: requests, errors, latency, completion events by status, and how prompts
-were built (exact continuations, new branches and why, drift a full re-render would have had)."""
+"""Prometheus metrics for the proxy: requests, errors, latency, completion events by status, how prompts
+were built (exact continuations, new branches and why, drift a full re-render would have had), and the
+policy: weight updates by status, how long calls were held, the calls held now, the version serving."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from schemas.completions import Continuation
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 class ProxyMetrics:
@@ -33,6 +35,19 @@ class ProxyMetrics:
             "(kind none: nothing).", ["api", "kind"], registry=self.registry)
         self.sessions = Gauge("rollwire_proxy_sessions", "Sessions the registry knows, by state.", ["state"],
                               registry=self.registry)
+        self.weight_updates = Counter("rollwire_proxy_weight_updates", "Weight updates coordinated, by status.",
+                                      ["status"], registry=self.registry)
+        self.pause_seconds = Histogram(
+            "rollwire_proxy_weight_update_pause_seconds", "How long new model calls were held by a weight update.",
+            buckets=_PAUSE_BUCKETS, registry=self.registry)
+        self.calls_held = Gauge("rollwire_proxy_calls_waiting", "Model calls held now: for a weight update to "
+                                "finish, or for the engine to reach their session's policy version.",
+                                registry=self.registry)
+        self.calls_held_total = Counter("rollwire_proxy_calls_held", "Model calls that were held "
+                                        "(weight update or policy floor).", registry=self.registry)
+        self.policy_version = Gauge("rollwire_proxy_policy_version", "The engine's weight version, when it is a "
+                                    "number (-1: unknown).", registry=self.registry)
+        self.policy_version.set(-1)
 
     def error(self, api: str, kind: str) -> None:
         self.errors.labels(api=api, kind=kind).inc()

@@ -34,6 +34,15 @@ class ProxySettings(BaseSettings):
     record_request_body: bool = Field(default=False, description=(
         "Keep the original request body in completion events besides its sha256 digest (larger events)."))
 
+    proxy_admin_token: str | None = Field(default=None, description=(
+        "When set, the policy API (GET /v1/policy, POST /v1/policy/weights) needs "
+        "`Authorization: Bearer <token>`; unset, it is open (a development proxy)."))
+    policy_floor_wait_s: float = Field(default=600.0, ge=0, description=(
+        "How long a call of a session whose policy_version is a number waits for the engine to serve that "
+        "version (or a newer one) before it fails with a 503."))
+    weight_update_timeout_s: float = Field(default=1800.0, gt=0, description=(
+        "Longest wait for one engine step of a weight update (pausing, loading the weights)."))
+
     def max_body_bytes(self, max_message_bytes: int) -> int:
         """The body limit in force: the configured one, or half of what one Kafka record may hold."""
         return self.proxy_max_body_bytes or max_message_bytes // 2

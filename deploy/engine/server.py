@@ -37,6 +37,10 @@ Decisions, with the flags that carry them:
   extras): how tests and ``bench.fidelity`` run the reasoning-stripping template variant
   (``chat_template_strip_reasoning.jinja``) on the same server. A development engine only.
 - ``HF_HUB_OFFLINE=1``: nothing is ever fetched from a model hub.
+- ``VLLM_SERVER_DEV_MODE=1``: vLLM's weight-update and development endpoints, which the proxy's weight
+  sync (``POST /v1/policy/weights``, ``proxy/policy.py``) drives: ``/weight_info``, ``/pause``,
+  ``/resume``, ``/update_weight_version``, ``/collective_rpc`` (``reload_weights``), ``/reset_prefix_cache``.
+  They let any client pause the engine or run worker methods: a development engine only.
 - ``--logits-processors rollwire_forced_tokens:ForcedTokensLogitsProcessor`` (``deploy/engine/plugins`` on
   the server's ``PYTHONPATH``): a request with ``vllm_xargs: {"rollwire_forced_tokens": [ids]}`` samples
   exactly those ids, then end-of-sequence (how tests script the tiny model's turns token for token);
@@ -192,6 +196,9 @@ def server_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict
         "VLLM_CACHE_ROOT": str(config.home / "vllm-cache"),
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1",
+        # The weight-update endpoints (/pause, /resume, /weight_info, /update_weight_version, /collective_rpc
+        # for reload_weights, /reset_prefix_cache) that the proxy's weight sync uses; a development engine only.
+        "VLLM_SERVER_DEV_MODE": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(PLUGIN_DIR), env.get("PYTHONPATH", "")) if p),
     })
     return env
