@@ -164,6 +164,60 @@ def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, 
     raise typer.Exit(code=run_job(options))
 
 
+@app.command()
+def train(proxy_url: str = typer.Option(None, help="The proxy whose engine gets the new weights (POST "
+                                                   "/v1/policy/weights). Default: ROLLWIRE_PROXY_PUBLIC_URL, "
+                                                   "else ROLLWIRE_PROXY_HOST:ROLLWIRE_PROXY_PORT."),
+          group_size: int = typer.Option(8, min=1, help="Samples per task the trainer expects (the tasks' "
+                                                        "num_samples). A step's batch holds --groups-per-step "
+                                                        "whole groups, its token budget sized as groups x this "
+                                                        "x --max-seq-tokens; a group with fewer trainable "
+                                                        "samples (failed sessions left out) is trained on and "
+                                                        "counted as short."),
+          groups_per_step: int = typer.Option(1, min=1, help="Groups per batch (= per optimizer step and "
+                                                             "weight push); a partial batch goes after 2 s."),
+          max_seq_tokens: int = typer.Option(2048, min=1, help="Expected tokens per trace, for the budget."),
+          lr: float = typer.Option(1e-4, help="AdamW learning rate."),
+          temperature: float = typer.Option(1.0, help="The sessions' sampling temperature: the loss uses "
+                                                      "logits / this, as the engine's processed logprobs do."),
+          max_staleness: int = typer.Option(None, min=0, help="Train only on groups sampled at most this "
+                                                              "many policy versions ago (default: any)."),
+          stale: str = typer.Option("drop", help="What to do with staler groups: drop or downweight."),
+          steps: int = typer.Option(10, min=1, help="Optimizer steps (= weight pushes) before exiting."),
+          model: Path = typer.Option(None, help="Hugging Face model folder to start from (default: the "
+                                                "embedded engine's tiny model)."),
+          out: Path = typer.Option(None, help="Checkpoints folder (default $ROLLWIRE_HOME/trainer/<group id>); "
+                                              "the engine must be able to read it."),
+          group_id: str = typer.Option("rollwire-trainer", help="The trainer's consumer group: a restarted "
+                                                                "trainer resumes after its last acked batch."),
+          idle_timeout_s: float = typer.Option(None, help="Exit when no group came for this long (default: "
+                                                          "wait)."),
+          keep_checkpoints: int = typer.Option(2, min=1, help="Checkpoint folders to keep.")) -> None:
+    """The reference online GRPO trainer (sinks/trainer.py): groups from `groups`, a GRPO step, the
+    weights pushed through the proxy into the engine, --steps times; one line per step."""
+    import os
+
+    from sinks.trainer import OnlineTrainer, TrainerConfig, TrainerError, summary_line
+
+    if stale not in ("drop", "downweight"):
+        raise typer.BadParameter("must be drop or downweight", param_hint="--stale")
+    home = Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser()
+    config = TrainerConfig(
+        proxy_url=proxy_url or ProxySettings().public_url, model=model or stack.engine_config().model_dir,
+        out=out or home / "trainer" / group_id, group_id=group_id, group_size=group_size,
+        groups_per_step=groups_per_step, max_seq_tokens=max_seq_tokens, lr=lr, steps=steps,
+        max_staleness=max_staleness, stale="downweight" if stale == "downweight" else "drop",
+        temperature=temperature, idle_timeout_s=idle_timeout_s, keep_checkpoints=keep_checkpoints)
+    try:
+        reports = OnlineTrainer(config).run()
+    except TrainerError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(summary_line(reports))
+    if len(reports) < steps:
+        raise typer.Exit(code=3)
+
+
 def main() -> None:
     app()
 

