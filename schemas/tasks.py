@@ -94,7 +94,12 @@ class TaskRequest(Model):
     evaluator: EvaluatorSpec | None = None
     engine: EngineParams = Field(default_factory=EngineParams)
     group_id: str | None = None
-    policy_version: str | None = None
+    policy_version: str | None = Field(default=None, description=(
+        "The policy the task's sessions must be sampled under, copied onto each session's spec. A version "
+        "number ('7' or 'v7': the engine's weight version, see schemas.policy) is a floor: the proxy holds "
+        "each call of these sessions until the engine serves that version or a newer one. Any other label "
+        "('step-12') is recorded but sets no floor. A value written like a version that is not one ('v', "
+        "'v-1', '-3', 'V7', '1.5') is refused."))
     metadata: dict[str, Any] = Field(default_factory=dict)
     callback_url: str | None = None
 

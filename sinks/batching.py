@@ -9,8 +9,10 @@ mask from ``segment_ids``). Both return :class:`BatchArrays`, whose arrays line 
 
 - ``input_ids`` (int64), ``attention_mask`` (1 = real token), ``position_ids`` (int64),
 - ``loss_mask`` (1 = a sampled token with a rollout logprob: trained on),
-- ``logprobs`` (float32 rollout logprobs, 0 where the loss mask is 0),
-- ``advantages`` (float32 per token: the sample's advantage where the loss mask is 1, else 0),
+- ``logprobs`` (float32: at ``[r, t]`` the rollout engine's logprob of the token it sampled there,
+  ``input_ids[r, t]``, given the tokens before it; 0 where the loss mask is 0),
+- ``advantages`` (float32 per token: the sample's advantage times its weight where the loss mask is 1,
+  else 0; 0 too for a sequence whose advantage is not known, see ``TrainingSequence.advantage``),
 - ``segment_ids`` (int32: 0 for padding, ``i + 1`` for the batch's i-th sequence).
 
 A sampled token whose rollout logprob is missing (NaN) is taken out of the loss mask (no importance ratio
@@ -30,17 +32,32 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class TrainingSequence:
-    """One trace of one group sample, ready to be laid into a batch."""
+    """One trace of one sample, ready to be laid into a batch.
+
+    ``advantage`` None: not known (a feed of trajectories without the group's advantage); ``weight``: the
+    factor the feed applies to the advantage (staleness, sinks/staleness.py); ``oldest_version``: the
+    oldest weight version of its trajectory (else of its group), from which the feed measures
+    ``policy_lag`` when it lays the sequence into a batch.
+    """
 
     token_ids: np.ndarray
     loss_mask: np.ndarray
     logprobs: np.ndarray
-    advantage: float
+    advantage: float | None
     session_id: str
     task_id: str
     group_id: str
     trajectory_id: str
     trace_id: str
+    reward: float | None = None
+    weight: float = 1.0
+    oldest_version: int | None = None
+    policy_lag: int | None = None
+
+    @property
+    def weighted_advantage(self) -> float | None:
+        """The advantage the batch carries: ``advantage * weight`` (None when the advantage is not known)."""
+        return None if self.advantage is None else self.advantage * self.weight
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -169,7 +186,9 @@ def _lay_out(sequences: Sequence[TrainingSequence], layout: list[list[int]], pad
             position_ids[row, start:end] = np.arange(len(sequence))
             loss_mask[row, start:end] = usable
             logprobs[row, start:end] = np.where(usable, lp, 0.0)
-            advantages[row, start:end] = np.where(usable, np.float32(sequence.advantage), 0.0)
+            advantage = sequence.weighted_advantage
+            if advantage is not None:
+                advantages[row, start:end] = np.where(usable, np.float32(advantage), 0.0)
             segment_ids[row, start:end] = index + 1
             spans[index] = SequenceSpan(row, start, end)
             start = end

@@ -13,19 +13,37 @@ end of the topic; if that is not enough and the tail did not start at the beginn
 it rescans the topic from the beginning for just the missing ids; then it keeps tailing until
 ``timeout_s`` has passed. A trajectory still missing then is reported missing (the feed skips that sample
 and counts it) rather than blocking the trainer forever.
+
+The reverse join, for a feed that reads `trajectories` (:class:`OutcomeJoin`): a trajectory names its
+session, and the session's reward is on `evaluations` and its advantage on `groups`, both usually written
+*after* the trajectory (the evaluator scores the ended session; the group waits for all its samples). The
+feed tails both topics the same way (no consumer group, every partition, from ``lookback_s`` before the
+first trajectory it reads) into a :class:`OutcomeIndex` keyed by session id, bounded by a number of
+sessions (oldest evicted first). The tail also says how far it is known to be complete
+(:attr:`OutcomeJoin.known_until`: it has read everything that was on both topics at that moment), so the
+feed takes a trajectory's outcome only once the tail has read what was written before the trajectory was
+read: a reward and a group already on the log are always joined, whatever order the partitions are
+fetched in. The feed waits for a trajectory's reward at most its ``reward_wait_s`` and then yields it
+without one; it never waits for the advantage (a group comes only once every sample of the task is in):
+the advantage is attached when the group was read by then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from aiokafka import TopicPartition
 
+from schemas.evaluations import Evaluation
+from schemas.groups import Group
+from schemas.policy import PolicyRange
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport import EventConsumer, RawRecord, Received, TransportError, topic_spec
@@ -34,6 +52,19 @@ from schemas.transport.settings import KafkaSettings
 logger = logging.getLogger(__name__)
 
 DEFAULT_INDEX_BYTES = 2 * 1024 ** 3
+DEFAULT_OUTCOME_SESSIONS = 1_000_000  # a few hundred bytes each
+
+
+async def seek_to_time(consumer: EventConsumer, partitions: list[TopicPartition], timestamp_ms: int) -> None:
+    """Read each partition from its first record at or after ``timestamp_ms``, and a partition without one
+    from its end *as it was before the seek*: the consumer's own "seek to the end" is resolved later, at
+    its next fetch, and would pass over a record written in between (a reward written just after the
+    trajectory was read, never joined)."""
+    ends = await consumer.end_offsets(partitions)
+    await consumer.seek_to_time(timestamp_ms, partitions)
+    for tp, position in (await consumer.positions()).items():
+        if tp in ends and position > ends[tp]:
+            consumer.seek(tp, ends[tp])
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +84,27 @@ class IndexedTrace:
 
 @dataclass(frozen=True, slots=True)
 class IndexedTrajectory:
-    """A trajectory reduced to what a training batch needs."""
+    """A trajectory reduced to what a training batch needs: its traces, the range of weight versions it
+    was sampled under, and whether its session failed for the infrastructure's sake."""
 
     trajectory_id: str
     session_id: str
     task_id: str | None
     traces: tuple[IndexedTrace, ...]
+    policy_versions: PolicyRange | None = None
+    failure: str | None = None
 
     @classmethod
     def of(cls, trajectory: Trajectory) -> IndexedTrajectory:
         traces = tuple(IndexedTrace(t.trace_id, t.token_ids.numpy, t.loss_mask.numpy, t.logprobs.numpy, t.role)
                        for t in trajectory.traces)
-        return cls(trajectory.event_id, trajectory.session_id, trajectory.task_id, traces)
+        failure = trajectory.failure.value if trajectory.failure is not None else None
+        return cls(trajectory.event_id, trajectory.session_id, trajectory.task_id, traces,
+                   trajectory.policy_versions, failure)
+
+    @property
+    def oldest_version(self) -> int | None:
+        return self.policy_versions.oldest if self.policy_versions is not None else None
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +178,7 @@ class TrajectoryJoin:
             await consumer.seek_to_beginning(self._partitions)
             self._from_beginning = True
             return
-        await consumer.seek_to_time(max(0, first_timestamp_ms - int(self.lookback_s * 1000)), self._partitions)
+        await seek_to_time(consumer, self._partitions, max(0, first_timestamp_ms - int(self.lookback_s * 1000)))
 
     async def _assign(self, consumer: EventConsumer) -> list[TopicPartition]:
         """Wait until the consumer (without a group) is assigned every partition of the topic."""
@@ -202,3 +242,137 @@ class TrajectoryJoin:
     @staticmethod
     def _may_hold(record: RawRecord, missing: set[str]) -> bool:
         return bool(missing and record.value and any(m.encode() in record.value for m in missing))
+
+
+# -- the reverse join: sessions' rewards and advantages, for a feed that reads trajectories ----------------
+
+@dataclass(slots=True)
+class SessionOutcome:
+    """What is known of one session's reward (per evaluator) and of its sample in the task's group."""
+
+    rewards: dict[str, float | None] = field(default_factory=dict)  # evaluator -> reward (None: it failed)
+    latest_evaluator: str | None = None
+    group_event_id: str | None = None
+    group_id: str | None = None
+    group_evaluator: str | None = None
+    group_reward: float | None = None
+    advantage: float | None = None
+
+    def reward(self, evaluator: str | None) -> tuple[bool, float | None]:
+        """(answered, reward) from ``evaluator`` (None: the group's evaluator, else the latest that scored
+        the session). Answered without a reward: the evaluation failed, or the group kept the sample out."""
+        name = evaluator or self.group_evaluator or self.latest_evaluator
+        if name is not None and name in self.rewards:
+            return True, self.rewards[name]
+        if self.group_event_id is not None and (evaluator is None or evaluator == self.group_evaluator):
+            return True, self.group_reward
+        return False, None
+
+
+class OutcomeIndex:
+    """Session outcomes by session id, at most ``max_sessions`` of them (least recently updated evicted)."""
+
+    def __init__(self, max_sessions: int = DEFAULT_OUTCOME_SESSIONS) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be positive, got {max_sessions}")
+        self.max_sessions = max_sessions
+        self.evicted = 0
+        self._items: OrderedDict[str, SessionOutcome] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, session_id: str) -> SessionOutcome | None:
+        return self._items.get(session_id)
+
+    def _entry(self, session_id: str) -> SessionOutcome:
+        outcome = self._items.get(session_id)
+        if outcome is None:
+            outcome = self._items[session_id] = SessionOutcome()
+            while len(self._items) > self.max_sessions:
+                self._items.popitem(last=False)
+                self.evicted += 1
+        else:
+            self._items.move_to_end(session_id)
+        return outcome
+
+    def add_evaluation(self, evaluation: Evaluation) -> None:
+        outcome = self._entry(evaluation.session_id)
+        outcome.rewards[evaluation.evaluator] = evaluation.reward if evaluation.status == "ok" else None
+        outcome.latest_evaluator = evaluation.evaluator
+
+    def add_group(self, group: Group) -> None:
+        for sample in group.samples:
+            outcome = self._entry(sample.session_id)
+            outcome.group_event_id, outcome.group_id = group.event_id, group.group_id or group.task_id
+            outcome.group_evaluator, outcome.group_reward = group.evaluator, sample.reward
+            outcome.advantage = sample.advantage
+
+
+class OutcomeJoin:
+    """Tails `evaluations` and `groups` into an :class:`OutcomeIndex` (see the module docstring)."""
+
+    def __init__(self, settings: KafkaSettings, evaluations_topic: str, groups_topic: str, *,
+                 lookback_s: float | None = 3600.0, max_sessions: int = DEFAULT_OUTCOME_SESSIONS) -> None:
+        self.settings = settings
+        self.lookback_s = lookback_s
+        self.index = OutcomeIndex(max_sessions)
+        self._specs = [topic_spec(settings, evaluations_topic, like=Topic.EVALUATIONS),
+                       topic_spec(settings, groups_topic, like=Topic.GROUPS)]
+        self._consumer: EventConsumer | None = None
+        self._partitions: list[TopicPartition] = []
+        self._target: dict[TopicPartition, int] | None = None  # the log's ends when last measured...
+        self._target_at = 0.0  # ...at this monotonic time
+        self.known_until = -math.inf  # monotonic time up to which everything written has been read
+
+    async def start(self, first_timestamp_ms: int | None) -> None:
+        """Assign every partition of both topics and seek to where the tail starts."""
+        if self._consumer is not None:
+            return
+        # Not the records' processor: what is not an evaluation or a group is skipped, not dead-lettered.
+        consumer = EventConsumer(self.settings, self._specs, group_id=None, service="feed-outcomes",
+                                 dead_letters=False, dedupe_window=0)
+        await consumer.start()
+        self._consumer = consumer
+        partitions = self._partitions = await self._assign(consumer)
+        if self.lookback_s is None or first_timestamp_ms is None:
+            await consumer.seek_to_beginning(partitions)
+        else:
+            await seek_to_time(consumer, partitions, max(0, first_timestamp_ms - int(self.lookback_s * 1000)))
+
+    async def _assign(self, consumer: EventConsumer, timeout_s: float = 30.0) -> list[TopicPartition]:
+        """Wait until partitions of both topics are assigned (their metadata may come apart)."""
+        names = {spec.name for spec in self._specs}
+        deadline = time.monotonic() + timeout_s
+        while {tp.topic for tp in consumer.assignment()} != names:
+            if time.monotonic() > deadline:
+                raise LookupError(f"topics {sorted(names)} have no partitions on {self.settings.kafka_bootstrap}")
+            await asyncio.sleep(0.05)
+        return sorted(consumer.assignment(), key=lambda tp: (tp.topic, tp.partition))
+
+    async def poll(self, timeout_ms: int = 0) -> int:
+        """Index what has come in (waiting up to ``timeout_ms``) and move :attr:`known_until` once the tail
+        has read up to the ends it last measured; returns how many events were indexed."""
+        consumer = self._consumer
+        if consumer is None:
+            return 0
+        if self._target is None:
+            self._target_at = time.monotonic()
+            self._target = await consumer.end_offsets(self._partitions)
+        received = await consumer.getmany(timeout_ms=timeout_ms)
+        for r in received:
+            if isinstance(r.event, Evaluation):
+                self.index.add_evaluation(r.event)
+            elif isinstance(r.event, Group):
+                self.index.add_group(r.event)
+        if await consumer.caught_up(self._target):
+            self.known_until, self._target = self._target_at, None
+        return len(received)
+
+    def get(self, session_id: str) -> SessionOutcome | None:
+        return self.index.get(session_id)
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None

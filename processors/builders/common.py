@@ -4,6 +4,12 @@ Builders are pure functions of a session's completion events and a few facts abo
 same input, in any order and with any duplicates, gives the same trajectory (same trace ids, same event
 id), so a rebuild from the log or a worker restarted after a crash re-emits identical events that
 consumers de-duplicate on ``event_id``.
+
+Policy versions: a trajectory's ``policy_versions`` is the range of engine weight versions over the
+completions its traces hold: each one's ``policy_version`` and the versions of its ``weight_versions``
+spans (a call that straddled a weight update), read with :func:`schemas.policy.version_number`; None when
+none of them is a version number (labels such as ``step-3``, or events recorded before the proxy filled
+it). The session's claimed ``policy_version`` string is kept apart, as it was.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from processors.builders.continuations import count_prompt_builds, count_traces,
 from schemas.arrays import Logprobs, LossMask, TokenIds
 from schemas.completions import Completion
 from schemas.envelope import utcnow
+from schemas.policy import PolicyRange, version_number
 from schemas.sessions import FailureKind, SessionStatus
 from schemas.tasks import BuilderName
 from schemas.trajectories import Trace, Trajectory, TrajectoryStats
@@ -163,6 +170,39 @@ def _common(values: Iterable[str | None], what: str, stats: TrajectoryStats) -> 
     return distinct[-1] if distinct else None
 
 
+def completion_versions(event: Completion, problems: list[str] | None = None) -> list[int]:
+    """The weight versions one completion's tokens were sampled under: its ``policy_version`` and every
+    ``weight_versions`` span's version that is a version number; a span without one is named in
+    ``problems`` (when given) and passed over."""
+    versions: list[int] = []
+    own = version_number(event.policy_version)
+    if own is not None:
+        versions.append(own)
+    for span in event.weight_versions or ():
+        number = version_number(_span_version(span))
+        if number is not None:
+            versions.append(number)
+        elif problems is not None:
+            problems.append(f"completion {event.event_id} (sequence {event.sequence}): weight version span "
+                            f"{span!r} has no version number; not counted in policy_versions")
+    return versions
+
+
+def _span_version(span: object) -> str | int | None:
+    """A span's ``version`` if it is a string or an integer (JSON gives either), else None."""
+    if not isinstance(span, dict):
+        return None
+    version = span.get("version")
+    if isinstance(version, bool) or not isinstance(version, (str, int)):
+        return None
+    return version
+
+
+def policy_range(events: Iterable[Completion], problems: list[str] | None = None) -> PolicyRange | None:
+    """The oldest and newest weight version over these completions; None when none has a version number."""
+    return PolicyRange.over([v for event in events for v in completion_versions(event, problems)])
+
+
 def trajectory(builder: BuilderName, session: Session, traces: list[Trace]) -> Trajectory:
     """Wrap traces into the Trajectory event, with an event id derived from its inputs; completes the stats
     that every builder reports the same way (traces, truncation, roles, how the prompts were built)."""
@@ -174,10 +214,13 @@ def trajectory(builder: BuilderName, session: Session, traces: list[Trace]) -> T
     count_prompt_builds(events, stats)
     policy_version = facts.policy_version or _common((e.policy_version for e in events), "policy version", stats)
     task_id = facts.task_id or _common((e.task_id for e in events), "task id", stats)
+    # Only what the traces hold: abandoned retries' tokens are not trained on, so their versions do not count.
+    used = {completion_id for t in traces for completion_id in t.completion_ids}
+    versions = policy_range((e for e in events if e.event_id in used), stats.problems)
     digest = hashlib.sha256("\0".join([builder, facts.session_id, str(facts.partial),
                                        *sorted(e.event_id for e in session.events)]).encode()).hexdigest()
     occurred_at = facts.ended_at or max((e.occurred_at for e in session.events), default=None) or utcnow()
     return Trajectory(event_id=digest[:32], occurred_at=occurred_at, session_id=facts.session_id,
                       task_id=task_id, builder=builder, policy_version=policy_version,
-                      session_status=facts.status, failure=facts.failure, partial=facts.partial,
-                      traces=traces, stats=stats)
+                      policy_versions=versions, session_status=facts.status, failure=facts.failure,
+                      partial=facts.partial, traces=traces, stats=stats)

@@ -9,6 +9,10 @@ cannot matter: see advantages.py) or the task's evaluator has scored it. The gro
 sample is in, or at the deadline when at least ``min_fraction`` are (``complete: false``; the samples not
 in are flagged as infrastructure failures, advantage None, so a trainer can resubmit them).
 
+The group's ``policy_versions`` is the range of engine weight versions over its samples' trajectories (each
+trajectory fact carries its trajectory's range; failed samples' trajectories count too, they are part of
+the group), None when no trajectory has one. ``policy_version`` stays the task's claim string.
+
 The group's event id depends only on the task id: whatever replays, restarts or deadline races make the
 worker emit a task's group twice, readers see one event id and keep one group.
 """
@@ -22,8 +26,11 @@ from typing import Any
 
 import orjson
 
+from pydantic import ValidationError
+
 from processors.groups.advantages import Estimator, SampleOutcome, compute_advantages
 from schemas.groups import Group
+from schemas.policy import PolicyRange
 from schemas.sessions import FailureKind, SessionStatus
 from schemas.tasks import TaskAccepted
 
@@ -48,6 +55,17 @@ def _text(document: dict[str, Any], name: str, *, required: bool = True) -> str 
     return value
 
 
+def _policy_versions(document: dict[str, Any]) -> dict[str, int] | None:
+    """The trajectory's version range as a plain dict (it is stored in the task's state), or None."""
+    value = document.get("policy_versions")
+    if value is None:
+        return None
+    try:
+        return PolicyRange.model_validate(value).model_dump()
+    except ValidationError as exc:
+        raise FactError(f"policy_versions {value!r} is not a version range: {exc.errors()[0]['msg']}") from None
+
+
 def trajectory_fact(document: dict[str, Any]) -> dict[str, Any]:
     """What a group needs from a trajectory document (envelope already checked)."""
     status = document.get("session_status")
@@ -58,7 +76,8 @@ def trajectory_fact(document: dict[str, Any]) -> dict[str, Any]:
         raise FactError(f"failure {failure!r} is not a failure kind")
     return {"kind": "trajectory", "session_id": _text(document, "session_id"), "task_id": _text(document, "task_id",
             required=False), "event_id": _text(document, "event_id"), "status": status, "failure": failure,
-            "partial": bool(document.get("partial", False)), "policy_version": document.get("policy_version")}
+            "partial": bool(document.get("partial", False)), "policy_version": document.get("policy_version"),
+            "policy_versions": _policy_versions(document)}
 
 
 def evaluation_fact(document: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +211,19 @@ def decide(state: TaskState, *, now: float, default_evaluator: str, min_fraction
     return None
 
 
+def samples_policy_range(state: TaskState, session_ids: list[str]) -> PolicyRange | None:
+    """The range of weight versions over these sessions' trajectories (facts stored before ranges were
+    carried have none); None when no trajectory has one."""
+    ranges = [PolicyRange.model_validate(fact["policy_versions"]) for session_id in session_ids
+              if (fact := state.trajectories.get(session_id)) is not None and fact.get("policy_versions")]
+    if not ranges:
+        return None
+    merged = ranges[0]
+    for other in ranges[1:]:
+        merged = merged.merged(other)
+    return merged
+
+
 def build_group(state: TaskState, *, default_evaluator: str, estimator: Estimator, eps: float) -> Group:
     """The task's Group event from its state (every session of the task, in the task's order)."""
     task = state.task
@@ -202,10 +234,11 @@ def build_group(state: TaskState, *, default_evaluator: str, estimator: Estimato
     policy = task.policy_version or next(
         (t["policy_version"] for t in state.trajectories.values() if t.get("policy_version")), None)
     return Group(event_id=group_event_id(task.task_id), task_id=task.task_id, group_id=task.group_id,
-                 policy_version=policy, samples=result.samples, baseline_mean=result.baseline_mean,
+                 policy_version=policy, policy_versions=samples_policy_range(state, task.session_ids),
+                 samples=result.samples, baseline_mean=result.baseline_mean,
                  baseline_std=result.baseline_std, complete=not any(o.missing for o in outcomes),
                  no_signal=result.no_signal, evaluator=evaluator, estimator=estimator)
 
 
 __all__ = ["FactError", "State", "TaskFacts", "TaskState", "build_group", "decide", "evaluation_fact",
-           "group_event_id", "trajectory_fact"]
+           "group_event_id", "samples_policy_range", "trajectory_fact"]

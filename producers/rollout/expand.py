@@ -3,6 +3,12 @@
 Session ids are derived from the task id and the sample index (``{task_id}-s{index}``), so that the
 same task always names the same sessions; each session gets a fresh random API key, the only thing the
 harness needs to reach the proxy. Pure functions: no Kafka here.
+
+A task's ``policy_version`` goes onto every session's spec unchanged. When it is a version number (``7``
+or ``v7``, see schemas.policy.version_number) it is a floor: the proxy holds the session's calls until the
+engine serves that version or a newer one. Any other label (``step-12``) is recorded, not enforced. A value
+that looks like a version but is not one (``v``, ``v-1``, ``-3``, ``V7``, ``1.5``, a number too large) is
+refused, so that a typo never silently drops the floor.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ import secrets
 import httpx
 
 from producers.rollout.errors import InvalidTask
+from schemas.policy import version_number
 from schemas.sessions import SessionSpec
 from schemas.tasks import TaskAccepted, TaskRequest
 
 # Session ids appear in proxy paths (/s/{session_id}/v1) and topic keys: keep them URL-path safe.
 TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 MAX_SESSION_ID = 128  # SessionSpec.session_id's limit
+# What a version is written like, well formed or not: an optional v, an optional sign, digits and dots.
+_VERSION_LIKE = re.compile(r"^[vV]?[-+]?[0-9.]*$")
 
 
 def check_request(request: TaskRequest) -> None:
@@ -37,6 +46,23 @@ def check_request(request: TaskRequest) -> None:
                               f"got {request.callback_url!r}")
     if request.runtime.kind == "local" and request.runtime.image:
         raise InvalidTask(("body", "runtime", "image"), "an image needs runtime.kind 'docker'")
+    check_policy_version(request.policy_version)
+
+
+def check_policy_version(policy_version: str | None) -> int | None:
+    """The floor a task's ``policy_version`` sets (None: no floor, absent or a plain label); raises
+    InvalidTask for a value written like a version that is not one (see the module docstring)."""
+    if policy_version is None:
+        return None
+    floor = version_number(policy_version)
+    if floor is not None:
+        return floor
+    text = policy_version.strip()
+    if text and _VERSION_LIKE.match(text):
+        raise InvalidTask(("body", "policy_version"), "a policy version floor is a whole number of at most 18 "
+                          f"digits, optionally written v7; got {policy_version!r} (a label that is no version, "
+                          "such as 'step-12', sets no floor)")
+    return None
 
 
 def session_id(task_id: str, sample_index: int) -> str:

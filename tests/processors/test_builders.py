@@ -310,3 +310,46 @@ def test_bench_merge_hook_takes_recorded_completion_events(tmp_path) -> None:
     # main agent, sub-agent fork, history rewrite, two side calls: one row per branch
     assert figures.prefix_merging_rows == figures.branches == 5
     assert figures.problems == 0
+
+
+def _versioned(sequence: int, prompt: list[int], sampled: list[int], version: str | None,
+               spans: list[dict] | None = None):
+    call = make_call(sequence, prompt, sampled, policy_version=version)
+    return call.model_copy(update={"weight_versions": spans}) if spans is not None else call
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_policy_versions_span_the_completions_and_their_weight_spans(name: str) -> None:
+    """Issue 14: versions 2, 2, 3 and a call that straddled the update to 4 give the range (2, 4)."""
+    c0 = _versioned(0, [1, 2], [10, EOT], "2")
+    c1 = _versioned(1, full(c0) + [20], [11, EOT], "v2")
+    c2 = _versioned(2, full(c1) + [21], [12, EOT], "3")
+    c3 = _versioned(3, full(c2) + [22], [13, 14, 15, EOT], "3",
+                    spans=[{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 4}])
+    result = build_trajectory(name, [c3, c1, c0, c2], FACTS)
+    assert result.policy_versions is not None
+    assert (result.policy_versions.oldest, result.policy_versions.newest) == (2, 4)
+    # The claim string is kept as it was (the session's, else the completions' label).
+    claimed = build_trajectory(name, [c0, c1, c2, c3], SessionFacts(session_id=SESSION, policy_version="step-7"))
+    assert claimed.policy_version == "step-7" and claimed.policy_versions == result.policy_versions
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_labels_that_are_no_version_give_no_range(name: str) -> None:
+    c0 = _versioned(0, [1, 2], [10, EOT], "step-3")
+    c1 = _versioned(1, full(c0) + [20], [11, EOT], None, spans=[{"version": "rc1", "start": 0, "end": 2}])
+    result = build_trajectory(name, [c0, c1], FACTS)
+    assert result.policy_versions is None
+    assert any("weight version span" in p for p in result.stats.problems)
+    assert build_trajectory(name, [], FACTS).policy_versions is None
+
+
+def test_an_abandoned_retry_does_not_count_in_the_range() -> None:
+    """Only completions a trace holds count: an abandoned attempt's tokens are never trained on."""
+    c0 = _versioned(0, [1, 2], [10, EOT], "5")
+    dropped = _versioned(1, full(c0) + [20], [11, EOT], "1")
+    kept = _versioned(2, full(c0) + [20], [12, EOT], "6")
+    result = merge(c0, dropped, kept)
+    assert result.stats.abandoned == [1]
+    assert result.policy_versions is not None
+    assert (result.policy_versions.oldest, result.policy_versions.newest) == (5, 6)

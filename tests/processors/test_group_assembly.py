@@ -125,3 +125,30 @@ def test_bad_evaluation_documents_are_refused() -> None:
         evaluation_fact({"event_id": "e", "session_id": "s", "evaluator": "tests", "reward": "1"})
     with pytest.raises(FactError, match="without a reward"):
         evaluation_fact({"event_id": "e", "session_id": "s", "evaluator": "tests"})
+
+
+def test_the_groups_version_range_spans_its_samples_trajectories() -> None:
+    """Issue 14: a group carries the oldest and newest weight version of its samples' trajectories (a failed
+    sample's too, and facts stored before trajectories carried ranges count as none)."""
+    state = task_state(4)
+    ranges = [{"oldest": 3, "newest": 4}, {"oldest": 2, "newest": 2}, None, {"oldest": 5, "newest": 6}]
+    for i, versions in enumerate(ranges):
+        fact = trajectory_fact({"event_id": f"tr-s{i}", "session_id": f"s{i}", "task_id": "t",
+                                "session_status": "completed" if i != 3 else "error",
+                                "failure": None if i != 3 else "policy", "policy_versions": versions})
+        state.add(fact)
+        state.add(ev(f"s{i}", float(i % 2)))
+    del state.trajectories["s2"]["policy_versions"]  # as a fact stored by the worker before issue 14
+    state = TaskState.loads(state.dumps())
+    group = build_group(state, default_evaluator="x", estimator="grpo", eps=1e-6)
+    assert group.policy_versions is not None
+    assert (group.policy_versions.oldest, group.policy_versions.newest) == (2, 6)
+    assert group.policy_version == "v1"  # the task's claim string, unchanged
+    unversioned = task_state(1)
+    unversioned.add(traj("s0")), unversioned.add(ev("s0", 1.0))
+    assert build_group(unversioned, default_evaluator="x", estimator="grpo", eps=1e-6).policy_versions is None
+
+
+def test_a_malformed_version_range_is_refused() -> None:
+    with pytest.raises(FactError, match="policy_versions"):
+        trajectory_fact({"event_id": "e", "session_id": "s", "policy_versions": {"oldest": 5, "newest": 2}})

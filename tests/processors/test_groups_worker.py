@@ -21,6 +21,7 @@ from processors.groups.assembly import group_event_id
 from schemas.dead_letter import DeadLetter
 from schemas.evaluations import Evaluation
 from schemas.groups import Group
+from schemas.policy import PolicyRange
 from schemas.sessions import FailureKind, SessionStatus
 from schemas.tasks import AgentSpec, EvaluatorSpec, TaskAccepted, TaskRequest
 from schemas.topics import Topic
@@ -46,9 +47,10 @@ def accepted(task_id: str, n: int, *, timeout_s: float, evaluator: str | None = 
 
 
 def trajectory(session_id: str, task_id: str, status: SessionStatus = SessionStatus.COMPLETED,
-               failure: FailureKind | None = None) -> Trajectory:
+               failure: FailureKind | None = None, versions: tuple[int, int] | None = None) -> Trajectory:
     return Trajectory(session_id=session_id, task_id=task_id, builder="per_request", session_status=status,
-                      failure=failure, traces=[], policy_version="step-7")
+                      failure=failure, traces=[], policy_version="step-7",
+                      policy_versions=PolicyRange(oldest=versions[0], newest=versions[1]) if versions else None)
 
 
 def evaluation(session_id: str, task_id: str, reward: float, evaluator: str = "tests") -> Evaluation:
@@ -77,12 +79,13 @@ async def test_groups_worker_end_to_end(kafka: KafkaSettings, tmp_path: Path) ->
             *[trajectory(f"task-c-s{i}", "task-c") for i in range(3)],
             *[evaluation(f"task-c-s{i}", "task-c", r) for i, r in enumerate([1.0, 0.0, 1.0])],
             trajectory("task-d-s0", "task-d"), evaluation("task-d-s0", "task-d", 1.0),
-            trajectory("task-a-s0", "task-a"), trajectory("task-a-s1", "task-a"),
+            trajectory("task-a-s0", "task-a", versions=(3, 3)), trajectory("task-a-s1", "task-a", versions=(2, 3)),
         ]
         async with EventProducer(kafka) as producer:
             await producer.send_many(facts)
             await producer.send_many([a, b])
-            await producer.send_many([trajectory("task-a-s2", "task-a"), trajectory("task-a-s3", "task-a"),
+            await producer.send_many([trajectory("task-a-s2", "task-a", versions=(4, 4)),
+                                      trajectory("task-a-s3", "task-a"),
                                       evaluation("task-a-s2", "task-a", 0.0)])
             await producer.send_many([c, d])
             raw = AIOKafkaProducer(bootstrap_servers=kafka.kafka_bootstrap)
@@ -108,9 +111,11 @@ async def test_groups_worker_end_to_end(kafka: KafkaSettings, tmp_path: Path) ->
             assert [s.advantage for s in group_a.samples] == pytest.approx([0.866025, -0.866025, -0.866025,
                                                                              0.866025], abs=1e-5)
             assert all(s.trajectory_id for s in group_a.samples) and group_a.baseline_mean == 0.5
+            # Issue 14: the range over its samples' trajectories (s3's has none).
+            assert group_a.policy_versions == PolicyRange(oldest=2, newest=4)
 
             group_b = groups["task-b"]
-            assert group_b.complete and group_b.no_signal
+            assert group_b.complete and group_b.no_signal and group_b.policy_versions is None
             assert [s.advantage for s in group_b.samples] == [0.0, 0.0, None]
             assert [s.in_baseline for s in group_b.samples] == [True, False, False]
             assert group_b.samples[2].failure is FailureKind.INFRASTRUCTURE

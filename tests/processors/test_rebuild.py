@@ -47,7 +47,8 @@ async def read_topic(bootstrap: str, topic: str, until: int) -> list[Trajectory]
 
 
 async def _log(kafka) -> list[SessionPlan]:
-    plans = [linear_session(f"r{i}", turns=2 + i, seed=i) for i in range(4)]
+    plans = [linear_session(f"r{i}", turns=2 + i, seed=i, versions=["4", "5"] if i % 2 else None)
+             for i in range(4)]
     plans.append(linear_session("r-open", turns=2, seed=9, ended=False))
     async with EventProducer(kafka) as producer:
         await producer.send_many([p.spec for p in plans])
@@ -70,6 +71,9 @@ async def test_rebuild_with_the_other_builder(kafka) -> None:
         assert len(got[plan.session_id].traces) == len(plan.completions)  # one row per completion
         assert [t.model_dump(mode="json") for t in got[plan.session_id].traces] == \
             [t.model_dump(mode="json") for t in want.traces]
+        assert got[plan.session_id].policy_versions == want.policy_versions
+    assert got["r1"].policy_versions is not None and got["r0"].policy_versions is None
+    assert (got["r1"].policy_versions.oldest, got["r1"].policy_versions.newest) == (4, 5)
 
 
 async def test_rebuild_cli_selects_sessions(kafka) -> None:

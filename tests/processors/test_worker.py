@@ -12,10 +12,11 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from processors.builders import SessionFacts, build_trajectory
+from processors.rebuild import RebuildRequest, rebuild
 from schemas.dead_letter import DeadLetter
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
-from schemas.transport import EventProducer
+from schemas.transport import EventConsumer, EventProducer, KafkaSettings, topic_spec
 from tests.processors.worker_process import SessionPlan, WorkerProcess, by_session, linear_session, read_events
 
 pytestmark = pytest.mark.kafka
@@ -30,17 +31,34 @@ def expected(plan: SessionPlan, *, partial: bool = False) -> Trajectory:
     return build_trajectory(plan.spec.builder, plan.completions, facts)
 
 
+async def _read_rebuilt(kafka: KafkaSettings, topic: str, until: int) -> dict[str, Trajectory]:
+    """The trajectories on a rebuild's target topic, by session."""
+    spec = topic_spec(kafka, topic, like=Topic.TRAJECTORIES)
+    out: dict[str, Trajectory] = {}
+    async with EventConsumer(kafka, [spec], group_id=None, dead_letters=False) as consumer:
+        for _ in range(60):
+            for received in await consumer.getmany(timeout_ms=500):
+                assert isinstance(received.event, Trajectory)
+                out[received.event.session_id] = received.event
+            if len(out) >= until:
+                break
+    return out
+
+
 def same(got: Trajectory, want: Trajectory) -> None:
     assert got.event_id == want.event_id
     assert got.builder == want.builder and got.partial == want.partial
     assert got.session_status == want.session_status and got.task_id == want.task_id
     assert [t.model_dump(mode="json") for t in got.traces] == [t.model_dump(mode="json") for t in want.traces]
     assert got.stats == want.stats
+    assert got.policy_versions == want.policy_versions and got.policy_version == want.policy_version
 
 
 async def test_sessions_become_one_trajectory_each(kafka, tmp_path) -> None:
     plans = [linear_session(f"s{i}", turns=3 + i % 4, seed=i, branch_at=2 if i % 3 == 0 else None,
-                            builder="per_request" if i % 4 == 1 else "prefix_merging") for i in range(10)]
+                            builder="per_request" if i % 4 == 1 else "prefix_merging",
+                            versions=["2", "2", "3"] if i % 2 == 0 else None, straddle=i % 4 == 0)
+             for i in range(10)]
     open_plan = linear_session("s-open", turns=3, seed=99, ended=False)
     worker = WorkerProcess(kafka, tmp_path / "data",
                            extra_env={"ROLLWIRE_PROCESSORS_IDLE_S": "4", "ROLLWIRE_PROCESSORS_GRACE_S": "1"})
@@ -65,6 +83,21 @@ async def test_sessions_become_one_trajectory_each(kafka, tmp_path) -> None:
         for plan in plans:
             assert len(grouped[plan.session_id]) == 1
             same(grouped[plan.session_id][0], expected(plan))
+        # Issue 14: versions 2, 2, 3 (and on some, a last call straddling 3 -> 4) give the range.
+        ranges = {p.session_id: grouped[p.session_id][0].policy_versions for p in plans}
+        assert ranges["s0"] is not None and (ranges["s0"].oldest, ranges["s0"].newest) == (2, 4)
+        assert ranges["s2"] is not None and (ranges["s2"].oldest, ranges["s2"].newest) == (2, 3)
+        assert ranges["s1"] is None  # labels (step-3) are no version numbers
+        # `rollwire rebuild` with the same builder re-derives what the worker emitted, ranges included.
+        merged = [p for p in plans if p.spec.builder == "prefix_merging"]
+        target = kafka.topic_prefix + "rebuilt"
+        await rebuild(kafka, RebuildRequest(builder="prefix_merging", to_topic=target,
+                                            sessions=frozenset(p.session_id for p in merged)))
+        rebuilt = await _read_rebuilt(kafka, target, until=len(merged))
+        assert set(rebuilt) == {p.session_id for p in merged}
+        for plan in merged:
+            assert rebuilt[plan.session_id].event_id == grouped[plan.session_id][0].event_id
+            assert rebuilt[plan.session_id].policy_versions == ranges[plan.session_id]
         assert grouped["s-open"][0].partial
         same(grouped["s-open"][0], expected(open_plan, partial=True))
         letters = await read_events(kafka, Topic.DEAD_LETTER, until=1, timeout_s=20)

@@ -115,8 +115,13 @@ class SessionPlan:
 
 
 def linear_session(session_id: str, *, turns: int, builder: str = "prefix_merging", ended: bool = True,
-                   seed: int = 0, branch_at: int | None = None) -> SessionPlan:
-    """A multi-turn session; with ``branch_at``, that turn starts from a fresh prompt (a new branch)."""
+                   seed: int = 0, branch_at: int | None = None, versions: Sequence[str] | None = None,
+                   straddle: bool = False) -> SessionPlan:
+    """A multi-turn session; with ``branch_at``, that turn starts from a fresh prompt (a new branch).
+
+    ``versions``: turn ``t``'s engine weight version (cycled), else every call carries the label
+    ``step-3``; ``straddle``: the last call's sampled tokens span its version and the next one.
+    """
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 150_000, 64).tolist()
     calls = []
@@ -124,8 +129,14 @@ def linear_session(session_id: str, *, turns: int, builder: str = "prefix_mergin
         if turn == branch_at:
             prompt = rng.integers(0, 150_000, 40).tolist()
         sampled = rng.integers(0, 150_000, int(rng.integers(4, 40))).tolist()
-        calls.append(make_call(turn, prompt, sampled, session_id=session_id, policy_version="step-3",
-                               finish_reason="tool_calls"))
+        version = versions[turn % len(versions)] if versions else "step-3"
+        call = make_call(turn, prompt, sampled, session_id=session_id, policy_version=version,
+                         finish_reason="tool_calls")
+        if straddle and turn == turns - 1:
+            half, after = len(sampled) // 2, str(int(version.lstrip("v")) + 1)
+            call = call.model_copy(update={"weight_versions": [
+                {"version": version, "start": 0, "end": half}, {"version": after, "start": half, "end": len(sampled)}]})
+        calls.append(call)
         prompt = prompt + sampled + rng.integers(0, 150_000, int(rng.integers(5, 60))).tolist()
     spec = SessionSpec(session_id=session_id, task_id=f"task-{session_id}", builder=builder,
                        policy_version="step-3")

@@ -13,9 +13,11 @@ import typer
 from typer.testing import CliRunner
 
 from producers.rollout import cli as rollout_cli
+from producers.rollout.errors import InvalidTask
+from producers.rollout.expand import check_policy_version, check_request, expand
 from schemas.evaluations import Evaluation
 from schemas.sessions import FailureKind, SessionEnded, SessionSpec, SessionStage, SessionStageChanged, SessionStatus
-from schemas.tasks import TaskAccepted
+from schemas.tasks import AgentSpec, TaskAccepted, TaskRequest
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory, TrajectoryStats
 from schemas.transport import KafkaSettings
@@ -54,6 +56,9 @@ async def test_bad_requests_are_refused_with_the_field(kafka: KafkaSettings, tmp
             (task_body("bad/id"), ["body", "task_id"]),
             (task_body("t8", callback_url="ftp://example.invalid/x"), ["body", "callback_url"]),
             (task_body("t9", runtime={"kind": "docker"}), ["body", "runtime"]),
+            # Issue 14: a policy version floor written like a version that is none.
+            *[(task_body(f"t10-{i}", policy_version=bad), ["body", "policy_version"])
+              for i, bad in enumerate(BAD_FLOORS[:3])],
         ]
         for body, loc in cases:
             response = _post(url, body)
@@ -61,6 +66,30 @@ async def test_bad_requests_are_refused_with_the_field(kafka: KafkaSettings, tmp
             assert any(got[:len(loc)] == loc for got in _locs(response)), (loc, response.text)
         # Nothing of a refused task reached Kafka: the task list is empty.
         assert httpx.get(f"{url}/v1/tasks", timeout=10).json() == []
+
+
+BAD_FLOORS = ["v-1", "v", "-3", "V7", "1.5", "+4", "v12345678901234567890"]
+
+
+@pytest.mark.parametrize("bad", BAD_FLOORS)
+def test_a_malformed_policy_version_floor_is_refused(bad: str) -> None:
+    with pytest.raises(InvalidTask) as refused:
+        check_request(TaskRequest(instruction="x", agent=AgentSpec(harness="codex"), policy_version=bad))
+    assert refused.value.field == ("body", "policy_version")
+
+
+@pytest.mark.parametrize("given, floor", [("7", 7), ("v7", 7), (" 12 ", 12), ("0", 0), ("step-12", None),
+                                          ("main", None), (None, None)])
+def test_a_policy_version_is_a_floor_or_a_label_and_reaches_every_session(given: str | None,
+                                                                          floor: int | None) -> None:
+    """A version number is a floor the proxy enforces; a label (``step-12``) is kept, sets none; both are
+    passed unchanged onto every session's spec."""
+    request = TaskRequest(task_id="t-floor", instruction="x", num_samples=3, agent=AgentSpec(harness="codex"),
+                          policy_version=given)
+    check_request(request)
+    assert check_policy_version(given) == floor
+    _, specs = expand(request)
+    assert [s.policy_version for s in specs] == [given] * 3
 
 
 async def test_task_becomes_accepted_event_and_one_spec_per_sample(kafka: KafkaSettings, tmp_path: Path) -> None:

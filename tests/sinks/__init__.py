@@ -7,13 +7,16 @@ import numpy as np
 from schemas.completions import AssistantMessage, ChatMessage, Completion, NormalizedRequest, ToolCall
 from schemas.evaluations import Evaluation
 from schemas.groups import Group, GroupSample
+from schemas.policy import PolicyRange
 from schemas.sessions import FailureKind, SessionStatus
 from schemas.trajectories import Trace, Trajectory
 
 
 def trajectory(session_id: str, task_id: str, *, length: int = 20, prompt: int = 8, seed: int = 0,
-               completion_ids: list[str] | None = None, traces: int = 1) -> Trajectory:
-    """A trajectory whose traces have ``prompt`` context tokens then sampled tokens with logprobs."""
+               completion_ids: list[str] | None = None, traces: int = 1, versions: tuple[int, int] | None = None,
+               failure: FailureKind | None = None) -> Trajectory:
+    """A trajectory whose traces have ``prompt`` context tokens then sampled tokens with logprobs;
+    ``versions``: the (oldest, newest) weight versions it was sampled under."""
     rng = np.random.default_rng(seed)
     built = []
     for branch in range(traces):
@@ -25,7 +28,9 @@ def trajectory(session_id: str, task_id: str, *, length: int = 20, prompt: int =
                            sequences=list(range(len(completion_ids or [0]))),
                            token_ids=tokens, loss_mask=mask, logprobs=logprobs))
     return Trajectory(session_id=session_id, task_id=task_id, builder="prefix_merging",
-                      session_status=SessionStatus.COMPLETED, traces=built)
+                      session_status=SessionStatus.ERROR if failure else SessionStatus.COMPLETED, failure=failure,
+                      traces=built, policy_versions=PolicyRange(oldest=versions[0], newest=versions[1])
+                      if versions else None)
 
 
 def group(task_id: str, trajectories: list[Trajectory], advantages: list[float | None],
@@ -39,7 +44,12 @@ def group(task_id: str, trajectories: list[Trajectory], advantages: list[float |
             session_id=t.session_id, trajectory_id=t.event_id, reward=reward, advantage=advantage,
             status=SessionStatus.ERROR if failed else SessionStatus.COMPLETED,
             failure=FailureKind.INFRASTRUCTURE if failed else None, in_baseline=not failed))
-    return Group(task_id=task_id, group_id=f"g-{task_id}", samples=samples)
+    ranges = [t.policy_versions for t in trajectories if t.policy_versions is not None]
+    versions = None
+    if ranges:
+        versions = PolicyRange(oldest=min(r.oldest for r in ranges), newest=max(r.newest for r in ranges))
+    return Group(task_id=task_id, group_id=f"g-{task_id}", samples=samples, policy_versions=versions,
+                 evaluator="tests")
 
 
 def completion(session_id: str, task_id: str, sequence: int, *, user: str, answer: str,

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from schemas.dead_letter import DeadLetter
+from schemas.sessions import FailureKind
 from schemas.topics import Topic
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings
 from sinks.feed import Batch, TrainerFeed
-from tests.sinks import group, trajectory
+from tests.sinks import evaluation, group, trajectory
 
 pytestmark = pytest.mark.kafka
 
@@ -268,3 +269,167 @@ async def test_side_traces_are_fed_only_when_their_role_is_kept(kafka: KafkaSett
 def test_an_unknown_feed_role_is_refused_before_kafka_is_reached() -> None:
     with pytest.raises(ValueError, match="sidecar"):
         TrainerFeed("127.0.0.1:1", group_id="g", token_budget=10, tensors="numpy", roles=["main", "sidecar"])
+
+
+# -- issue 14: staleness, and the feed on `trajectories` -------------------------------------------------
+
+async def _publish_versioned_groups(settings: KafkaSettings, oldest: dict[str, int | None]) -> dict[str, str]:
+    """One group per task, its three samples sampled from version ``oldest`` (None: no versions) to 5;
+    returns task id -> group event id."""
+    ids: dict[str, str] = {}
+    async with EventProducer(settings) as producer:
+        for n, (task_id, version) in enumerate(oldest.items()):
+            trajectories = [trajectory(f"{task_id}-s{i}", task_id, length=LENGTH, seed=n * 10 + i,
+                                       versions=None if version is None else (version, 5)) for i in range(SAMPLES)]
+            await producer.send_many(trajectories)
+            g = group(task_id, trajectories, [1.0, -0.5, -0.5])
+            await producer.send(g)
+            ids[task_id] = g.event_id
+    return ids
+
+
+async def test_stale_groups_are_dropped_counted_and_never_delivered_again(kafka: KafkaSettings) -> None:
+    """Trainer at version 5, max_staleness 1: a group at oldest 4 is kept, one at 3 dropped (and committed
+    past, even with no batch after it), one without versions treated as current."""
+    group_id = f"trainer-{uuid.uuid4().hex[:8]}"
+    await _publish_versioned_groups(kafka, {"stale-3": 3})
+    first = await asyncio.to_thread(_feed, kafka, group_id, max_staleness=1, policy_version=5)
+    try:
+        assert await asyncio.to_thread(_drain, first) == []
+    finally:
+        await asyncio.to_thread(first.close)
+    assert first.stats.stale_skipped == 1 and first.stats.stale_skipped_by_lag == {2: 1}
+    ids = await _publish_versioned_groups(kafka, {"fresh-4": 4, "plain": None, "stale-2": 2})
+    second = await asyncio.to_thread(_feed, kafka, group_id, max_staleness=1)
+    second.policy_version = 5  # as a trainer sets it after a push
+    try:
+        batches = await asyncio.to_thread(_drain, second)
+    finally:
+        await asyncio.to_thread(second.close)
+    assert second.stats.groups == 3  # the group dropped by the first feed did not come again
+    assert sorted(g for b in batches for g in b.group_event_ids) == sorted([ids["fresh-4"], ids["plain"]])
+    assert second.stats.stale_skipped == 1 and second.stats.stale_skipped_by_lag == {3: 1}
+    lags = {t: lag for b in batches for t, lag in zip(b.task_ids, b.policy_lags)}
+    assert lags == {"fresh-4": 1, "plain": None}
+    assert all(w == 1.0 for b in batches for w in b.sample_weights)
+    third = await asyncio.to_thread(_feed, kafka, group_id, max_staleness=1, policy_version=5)
+    try:
+        assert await asyncio.to_thread(_drain, third) == [] and third.stats.groups == 0
+    finally:
+        await asyncio.to_thread(third.close)
+
+
+async def test_stale_groups_can_be_downweighted_instead(kafka: KafkaSettings) -> None:
+    """``stale="downweight"``: kept, advantages times ``stale_decay ** (lag - max_staleness)``."""
+    await _publish_versioned_groups(kafka, {"lag-1": 4, "lag-2": 3, "lag-4": 1})
+    feed = await asyncio.to_thread(_feed, kafka, f"trainer-{uuid.uuid4().hex[:8]}", max_staleness=1,
+                                   stale="downweight", stale_decay=0.5, policy_version=lambda: 5,
+                                   token_budget=10_000)
+    try:
+        batches = await asyncio.to_thread(_drain, feed)
+    finally:
+        await asyncio.to_thread(feed.close)
+    assert feed.stats.stale_skipped == 0 and feed.stats.stale_downweighted == 2
+    assert feed.stats.stale_downweighted_by_lag == {2: 1, 4: 1}
+    expected = {"lag-1": 1.0, "lag-2": 0.5, "lag-4": 0.125}
+    rows = [(b, row) for b in batches for row in range(len(b.session_ids))]
+    assert sorted({b.task_ids[row] for b, row in rows}) == sorted(expected)
+    for batch, row in rows:
+        weight = expected[batch.task_ids[row]]
+        original = 1.0 if batch.session_ids[row].endswith("-s0") else -0.5
+        assert batch.sample_weights[row] == weight
+        assert batch.sample_advantages[row] == pytest.approx(original * weight)
+        sampled = batch.loss_mask[row] == 1
+        assert batch.advantages[row][sampled] == pytest.approx(original * weight)
+        assert batch.policy_lags[row] == {"lag-1": 1, "lag-2": 2, "lag-4": 4}[batch.task_ids[row]]
+
+
+async def test_trajectories_are_fed_with_their_reward_and_advantage_when_known(kafka: KafkaSettings) -> None:
+    """topic="trajectories": s0 has its evaluation and group, s1 only an evaluation, s2 nothing (yielded
+    without a reward after ``reward_wait_s``, not holding the others back), s3 an infrastructure failure
+    (never trained on). Acknowledged, nothing comes again."""
+    built = [trajectory(f"tr-s{i}", "tr", length=LENGTH, seed=i, versions=(2, 3)) for i in range(3)]
+    failed = trajectory("tr-s3", "tr", length=LENGTH, seed=3, failure=FailureKind.INFRASTRUCTURE)
+    async with EventProducer(kafka) as producer:
+        await producer.send_many([*built, failed])
+        await producer.send_many([evaluation("tr-s0", "tr", 1.0), evaluation("tr-s1", "tr", 0.0),
+                                  evaluation("tr-s1", "tr", 1.0, evaluator="session_completed")])
+        await producer.send(group("tr", built[:1], [0.75], rewards=[1.0]))
+    group_id = f"trainer-{uuid.uuid4().hex[:8]}"
+    feed = await asyncio.to_thread(_feed, kafka, group_id, topic="trajectories", reward_wait_s=4.0,
+                                   evaluator="tests", idle_timeout_s=2.0, token_budget=10_000)
+    try:
+        batches = await asyncio.to_thread(_drain, feed)
+    finally:
+        await asyncio.to_thread(feed.close)
+    assert feed.reads == "trajectories"
+    rows = {b.session_ids[r]: (b, r) for b in batches for r in range(len(b.session_ids))}
+    assert sorted(rows) == ["tr-s0", "tr-s1", "tr-s2"]
+    # The two with rewards went first; the one without waited its reward_wait_s alone.
+    assert max(rows["tr-s0"][0].number, rows["tr-s1"][0].number) < rows["tr-s2"][0].number
+    seen = {s: (b.has_reward[r], b.sample_rewards[r], b.has_advantage[r], b.sample_advantages[r])
+            for s, (b, r) in rows.items()}
+    assert seen["tr-s0"] == (True, 1.0, True, 0.75)
+    assert seen["tr-s1"][:3] == (True, 0.0, False) and np.isnan(seen["tr-s1"][3])
+    assert not seen["tr-s2"][0] and np.isnan(seen["tr-s2"][1]) and not seen["tr-s2"][2]
+    batch, row = rows["tr-s0"]
+    assert batch.group_ids[row] == "g-tr" and batch.trajectory_event_ids
+    assert batch.advantages[row][batch.loss_mask[row] == 1] == pytest.approx(0.75)
+    batch, row = rows["tr-s1"]
+    assert (batch.advantages[row] == 0).all() and batch.loss_mask[row].sum() == LENGTH - 8
+    trace = built[1].traces[0]
+    sampled = trace.loss_mask.numpy == 1
+    np.testing.assert_array_equal(batch.input_ids[row], trace.token_ids.numpy)
+    np.testing.assert_array_equal(batch.logprobs[row][sampled], trace.logprobs.numpy[sampled])
+    stats = feed.stats
+    assert (stats.trajectories, stats.infrastructure_failures_skipped) == (4, 1)
+    assert (stats.rewards_joined, stats.rewards_missing, stats.advantages_joined) == (2, 1, 1)
+    again = await asyncio.to_thread(_feed, kafka, group_id, topic="trajectories", reward_wait_s=0.5)
+    try:
+        assert await asyncio.to_thread(_drain, again) == [] and again.stats.trajectories == 0
+    finally:
+        await asyncio.to_thread(again.close)
+
+
+async def test_a_reward_written_after_the_trajectory_is_joined_when_it_comes(kafka: KafkaSettings) -> None:
+    async with EventProducer(kafka) as producer:
+        await producer.send(trajectory("late-s0", "late", length=LENGTH))
+    # No idle timeout: the feed waits as an online trainer's does (a StopIteration cannot cross to_thread).
+    feed = await asyncio.to_thread(_feed, kafka, f"trainer-{uuid.uuid4().hex[:8]}", topic="trajectories",
+                                   reward_wait_s=60.0, idle_timeout_s=None)
+    try:
+        pending = asyncio.ensure_future(asyncio.to_thread(next, feed))
+        await asyncio.sleep(2.0)
+        assert not pending.done()  # waiting for the reward
+        async with EventProducer(kafka) as producer:
+            await producer.send(evaluation("late-s0", "late", 1.0))
+        batch = await asyncio.wait_for(pending, timeout=30)
+    finally:
+        await asyncio.to_thread(feed.close)
+    assert batch.session_ids == ["late-s0"] and batch.has_reward == [True] and batch.sample_rewards == [1.0]
+
+
+async def test_trajectories_without_rewards_are_yielded_at_once(kafka: KafkaSettings) -> None:
+    """rewards=False: no wait whatever reward_wait_s says; staleness applies per trajectory."""
+    async with EventProducer(kafka) as producer:
+        await producer.send_many([trajectory("nr-s0", "nr", length=LENGTH, versions=(3, 3)),
+                                  trajectory("nr-s1", "nr", length=LENGTH, seed=1, versions=(1, 3)),
+                                  trajectory("nr-s2", "nr", length=LENGTH, seed=2)])
+    feed = await asyncio.to_thread(_feed, kafka, f"trainer-{uuid.uuid4().hex[:8]}", topic="trajectories",
+                                   rewards=False, reward_wait_s=600.0, max_staleness=1, policy_version=3,
+                                   token_budget=10_000)
+    try:
+        started = asyncio.get_running_loop().time()
+        first = await asyncio.to_thread(next, feed)
+        waited = asyncio.get_running_loop().time() - started
+        await asyncio.to_thread(feed.ack, first)
+        batches = [first, *await asyncio.to_thread(_drain, feed)]
+    finally:
+        await asyncio.to_thread(feed.close)
+    assert waited < 20
+    assert sorted(s for b in batches for s in b.session_ids) == ["nr-s0", "nr-s2"]
+    assert feed.stats.stale_skipped_by_lag == {2: 1}
+    for batch in batches:
+        assert not any(batch.has_reward) and not any(batch.has_advantage)
+        assert all(np.isnan(a) for a in batch.sample_advantages) and (batch.advantages == 0).all()
+    assert feed.stats.rewards_missing == 0  # none was asked for
