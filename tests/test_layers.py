@@ -15,6 +15,7 @@ modules import each other, directly or around a loop.
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -130,14 +131,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_layers_point_down_only() -> None:
-    graph = imports(project_modules())
-    assert violations(graph) == []
-
-
-def test_no_module_import_cycles() -> None:
-    graph = imports(project_modules())
-    assert cycles(graph) == []
+def test_layers_point_down_only_and_no_module_import_cycles() -> None:
+    # In a fresh interpreter: CPython 3.11's parser can fail with "AST constructor recursion depth mismatch"
+    # in a process where deep recursion was caught before (the proxy's fuzz tests do that on purpose).
+    result = subprocess.run([sys.executable, "-m", "tests.test_layers"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1].endswith("violations=0 cycles=0"), result.stdout
 
 
 def test_the_checker_sees_an_upward_import_and_a_cycle() -> None:

@@ -157,7 +157,9 @@ async def test_pushed_weights_are_the_ones_that_sample(synced_proxy: ProxyUnderT
     assert refused.status_code == 422 and "lm_head.weight" in refused.json()["detail"], refused.text
     sampling = {"seed": 3, "temperature": 1.0, "max_tokens": 12}
     first = proxy.new_session(engine=sampling)
-    long_running = proxy.new_session(engine={"seed": 4, "temperature": 1.0, "max_tokens": 1000})
+    # min_tokens: the long call must not end early on an end-of-sequence token (a random model may sample one).
+    long_running = proxy.new_session(engine={"seed": 4, "temperature": 1.0, "max_tokens": 12000,
+                                             "extra": {"min_tokens": 12000}})
     during = proxy.new_session(engine=sampling)
 
     before = await _chat(first, MESSAGES)
