@@ -9,7 +9,13 @@ all N sessions are published at once and the clock runs from the publish to the 
 Phase ``off``: ``prewarm=0`` (a runtime is initialized only when a run slot is free: init on the critical
 path); phase ``on``: ``prewarm=N`` (runtimes initialized ahead, up to ``--init-workers`` at once).
 
-    python -m bench.rollout [--sessions N] [--run-slots R] [--init-workers W] [--setup-s S] [--calls C]
+``--runtime docker`` runs each session in its own container of ``--image`` (default: the first SWE-style
+example's image, ``rollwire images build`` makes it; its repository at ``/testbed`` is the workspace), the
+harness script mounted read-only, the proxy reached through the socket relay (the container has no
+network); it also prints the containers' start times (create to ready, ``container_start_p50_s``).
+
+    python -m bench.rollout [--runtime local|docker] [--sessions N] [--run-slots R] [--init-workers W]
+                            [--setup-s S] [--calls C]
 
 Prints ``name=value`` lines, the key figure last: ``prewarm_speedup`` (sessions/min on ÷ off).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +36,7 @@ from bench.serving import serve
 from bench.standin_engine import StandinConfig, create_app as create_standin
 from producers.gateway.node import GatewayNode
 from producers.gateway.settings import GatewaySettings
+from producers.runtimes.base import Runtime, RuntimeHandle
 from producers.runtimes.local import LocalRuntime
 from proxy.app import create_app as create_proxy
 from proxy.settings import ProxySettings
@@ -55,6 +63,45 @@ for i in range(calls):
 '''
 
 
+DEFAULT_DOCKER_IMAGE = "rollwire/swe-rollwire__textstats-1:latest"
+
+
+class TimedRuntime(Runtime):
+    """A runtime that remembers each container's start time (``handle.start_s``, docker only)."""
+
+    def __init__(self, inner: Runtime) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.start_s: list[float] = []
+
+    async def init(self, session_id: str, spec: RuntimeSpec, *, timeout_s: float) -> RuntimeHandle:
+        handle = await self.inner.init(session_id, spec, timeout_s=timeout_s)
+        start_s = getattr(handle, "start_s", None)
+        if start_s is not None:
+            self.start_s.append(float(start_s))
+        return handle
+
+    def proxy_url_for(self, proxy_url: str) -> str:
+        return self.inner.proxy_url_for(proxy_url)
+
+
+def _runtime(args: argparse.Namespace, root: Path) -> TimedRuntime:
+    if args.runtime == "docker":
+        from producers.runtimes.docker import DockerRuntime
+        return TimedRuntime(DockerRuntime(root=root))
+    return TimedRuntime(LocalRuntime(root=root))
+
+
+def _spec(args: argparse.Namespace, script: Path) -> tuple[RuntimeSpec, str]:
+    """The sessions' runtime and harness command line."""
+    setup = [f"sleep {args.setup_s}"]
+    if args.runtime == "docker":
+        runtime = RuntimeSpec(kind="docker", image=args.image, workdir="/testbed", setup=setup,
+                              mounts=[f"{script.parent}:/bench:ro"])
+        return runtime, f"python3 /bench/{script.name} {args.calls} {args.think}"
+    return RuntimeSpec(setup=setup), f"{sys.executable} {script} {args.calls} {args.think}"
+
+
 async def _phase(args: argparse.Namespace, prewarm: int, script: Path, root: Path) -> dict[str, float]:
     """One node, N sessions at once; returns sessions/min and mean seconds per stage."""
     base = KafkaSettings()
@@ -66,14 +113,14 @@ async def _phase(args: argparse.Namespace, prewarm: int, script: Path, root: Pat
             settings = GatewaySettings(proxy_url=proxy_url, port=0, run_slots=args.run_slots, prewarm=prewarm,
                                        init_workers=args.init_workers, post_workers=args.run_slots,
                                        node_name=f"bench-{prewarm}")
-            node = GatewayNode(settings, kafka, runtime_for=lambda kind: LocalRuntime(root=root))
+            runtime = _runtime(args, root)
+            node = GatewayNode(settings, kafka, runtime_for=lambda kind: runtime)
             node_task = asyncio.create_task(node.run())
             await asyncio.wait_for(node.started.wait(), 60)
-            command = f"{sys.executable} {script} {args.calls} {args.think}"
+            runtime_spec, command = _spec(args, script)
             specs = [SessionSpec(session_id=f"bench-{uuid.uuid4().hex[:12]}", task_id="bench",
                                  instruction="answer", timeout_s=600, api_key=f"key-{uuid.uuid4().hex}",
-                                 runtime=RuntimeSpec(setup=[f"sleep {args.setup_s}"]),
-                                 agent=AgentSpec(harness="command", command=command))
+                                 runtime=runtime_spec, agent=AgentSpec(harness="command", command=command))
                      for _ in range(args.sessions)]
             ends: dict[str, SessionEnded] = {}
             async with EventConsumer(kafka, [Topic.SESSION_EVENTS], group_id=None, dead_letters=False,
@@ -99,6 +146,9 @@ async def _phase(args: argparse.Namespace, prewarm: int, script: Path, root: Pat
     out = {"sessions_per_min": len(specs) / elapsed * 60, "elapsed_s": elapsed}
     for stage in ("queued", "init", "ready", "running"):
         out[f"mean_{stage}_s"] = sum(e.timings.get(stage, 0.0) for e in ends.values()) / len(ends)
+    if runtime.start_s:
+        out["container_start_p50_s"] = statistics.median(runtime.start_s)
+        out["container_start_max_s"] = max(runtime.start_s)
     return out
 
 
@@ -108,6 +158,7 @@ async def bench(args: argparse.Namespace) -> None:
         script.write_text(HARNESS)
         off = await _phase(args, 0, script, Path(tmp) / "off")
         on = await _phase(args, args.sessions, script, Path(tmp) / "on")
+    print(f"runtime={args.runtime}")
     print(f"sessions={args.sessions}")
     print(f"run_slots={args.run_slots}")
     print(f"init_workers={args.init_workers}")
@@ -121,6 +172,9 @@ async def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtime", choices=("local", "docker"), default="local")
+    parser.add_argument("--image", default=DEFAULT_DOCKER_IMAGE,
+                        help="The docker runtime's image: a git repository at /testbed and python3.")
     parser.add_argument("--sessions", type=int, default=16, help="Sessions per phase, published at once.")
     parser.add_argument("--run-slots", type=int, default=4)
     parser.add_argument("--init-workers", type=int, default=8)

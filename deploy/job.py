@@ -1,6 +1,12 @@
 """The main job, ``rollwire rollout tasks.jsonl --harness H --samples N``: bring up what is not running,
 submit the tasks, show live progress, and end with a summary table and where the outputs are.
 
+``--format swebench`` reads SWE-bench / SWE-Gym instances instead of TaskRequests (each a docker task in
+its instance image, graded by the ``swebench`` evaluator); ``--runtime docker`` runs every task's sessions
+in containers (a tasks-file task without an image gets ``rollwire/harnesses:latest``, its repository
+checked out here and mounted). When any task runs in docker the Docker engine and the images are brought
+up first (``stack.docker``).
+
 What it brings up, in order, each only if nothing answers where it should already: the Kafka broker and
 its topics, the engine (embedded vLLM CPU, or ``ROLLWIRE_ENGINE_URL``), the proxy, a trajectory worker
 (processors), the rollout server, a gateway node (``rollwire gateway-node``), for each evaluator the
@@ -40,6 +46,7 @@ from rich.live import Live
 
 from deploy import stack
 from deploy.errors import DeployError
+from deploy.images import HARNESS_IMAGE
 from deploy.job_results import collect
 from deploy.kafka import KafkaConfig
 from processors.groups.settings import GroupSettings
@@ -56,7 +63,7 @@ from producers.rollout.display import (
     summary_table,
 )
 from producers.rollout.settings import RolloutServerSettings
-from producers.rollout.taskfile import BadLine, Overrides, load_tasks, post_task
+from producers.rollout.taskfile import BadLine, Overrides, TaskFormat, TaskLine, load_tasks, post_task
 from proxy.settings import ProxySettings
 from schemas.rollouts import TaskState, TaskStatus, TaskSubmitted
 from schemas.sessions import FailureKind
@@ -83,6 +90,9 @@ class JobOptions:
     server_port: int | None = None
     keep_services: bool = False
     live: bool = True
+    file_format: TaskFormat = "tasks"
+    runtime: str | None = None
+    """Run every task in this runtime kind (``local`` or ``docker``) instead of its own."""
 
 
 # ---- the stack ----------------------------------------------------------------------------------------
@@ -118,8 +128,14 @@ class Stack:
         if part.started:
             self.started.append(part)
 
-    def up(self, evaluators: set[str]) -> None:
+    def up(self, evaluators: set[str], docker: bool = False) -> None:
         self.console.print("[bold]stack[/bold]")
+        if docker:
+            instances = self.options.tasks_file if self.options.file_format == "swebench" else None
+            self.console.print("  docker           checking the engine and the images (the first build "
+                               "takes a few minutes)…")
+            self._report(stack.docker(instances, say=lambda line: self.console.print(f"    {line}",
+                                                                                     highlight=False)))
         config = KafkaConfig.from_env()
         kafka = stack.managed_settings(config)
         self._report(stack.broker(config, kafka.kafka_bootstrap))
@@ -255,6 +271,23 @@ def exit_code(statuses: list[TaskStatus]) -> int:
     return 1 if missing_trajectories(statuses) else 0
 
 
+def with_runtime(line: TaskLine, kind: str | None) -> TaskLine:
+    """``line`` with its task's runtime kind replaced by ``kind`` (None: as it is). A task moved into
+    docker without an image runs in the harness image; a task whose workspace lives in its image cannot
+    leave docker."""
+    runtime = line.request.runtime
+    if kind is None or kind == runtime.kind:
+        return line
+    if kind == "local" and runtime.repo is None and runtime.image:
+        raise ValueError(f"task {line.request.task_id}: its repository lives in the image {runtime.image}: it "
+                         "runs only in docker")
+    update: dict[str, object] = {"kind": kind}
+    if kind == "docker" and not runtime.image:
+        update["image"] = HARNESS_IMAGE
+    request = line.request.model_copy(update={"runtime": runtime.model_copy(update=update)})
+    return TaskLine(line.line_no, request, line.where)
+
+
 def run_job(options: JobOptions, console: Console | None = None) -> int:
     """The whole job; returns the process exit code."""
     if console is None:
@@ -263,18 +296,25 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
             console = Console(width=200)  # logs and pipes: keep the tables' rows whole
     started_at = time.time()
     run_id = time.strftime("%m%d%H%M%S") + secrets.token_hex(1)
-    good, bad = load_tasks(options.tasks_file, Overrides(harness=options.harness, samples=options.samples,
-                                                         task_id_suffix=f"r{run_id}"))
+    loaded, bad = load_tasks(options.tasks_file, Overrides(harness=options.harness, samples=options.samples,
+                                                           task_id_suffix=f"r{run_id}"), format=options.file_format)
+    good: list[TaskLine] = []
+    for line in loaded:
+        try:
+            good.append(with_runtime(line, options.runtime))
+        except ValueError as exc:
+            bad.append(BadLine(line.line_no, str(exc), line.where))
     for refused in bad:
-        console.print(f"[red]{options.tasks_file}:{refused.line_no}: {refused.error}[/red]", highlight=False)
+        console.print(f"[red]{options.tasks_file}: {refused.label}: {refused.error}[/red]", highlight=False)
     if not good:
         console.print("[red]no task to run[/red]")
         return 2
     evaluators = {line.request.evaluator.name for line in good if line.request.evaluator is not None}
+    docker = any(line.request.runtime.kind == "docker" for line in good)
     running = Stack(console, options)
     try:
         try:
-            running.up(evaluators)
+            running.up(evaluators, docker)
         except Exception as exc:  # noqa: BLE001 - any part failing to start ends the job with its reason
             console.print(f"[red]the stack did not come up: {exc}[/red]", highlight=False)
             return 2
@@ -284,8 +324,8 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
                 try:
                     submitted.append(post_task(client, running.server_url, line.request))
                 except (ValueError, httpx.HTTPError) as exc:
-                    console.print(f"[red]{options.tasks_file}:{line.line_no}: refused: {exc}[/red]", highlight=False)
-                    bad.append(BadLine(line.line_no, str(exc)))
+                    console.print(f"[red]{options.tasks_file}: {line.label}: refused: {exc}[/red]", highlight=False)
+                    bad.append(BadLine(line.line_no, str(exc), line.where))
         if not submitted:
             return 2
         sessions = sum(len(s.session_ids) for s in submitted)

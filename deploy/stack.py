@@ -1,7 +1,8 @@
 """Bringing up the stack: one routine per part, each reusing what already answers or starting it.
 
 The parts, bottom up: the broker, its topics, the engine, the proxy, the trajectory worker (processors),
-the rollout server, a gateway node, the evaluators and the groups worker. ``rollwire up``, the main job
+the rollout server, a gateway node, the evaluators and the groups worker; and, for sessions in containers,
+the Docker engine with the images they run. ``rollwire up``, the main job
 (deploy/job.py) and the tests' fixtures all bring parts up through these routines, so a part is reused,
 started and addressed the same way everywhere. Each routine returns a :class:`Part` saying whether it was
 reused or started, where it answers, and (when this call started it) how to stop it.
@@ -20,6 +21,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -240,3 +242,16 @@ def evaluator(kafka: KafkaSettings, name: str, *, timeout_s: float = 3) -> Part:
 def groups(kafka: KafkaSettings, where: Port, *, timeout_s: float = 180) -> Part:
     """The groups worker (Faust): trajectories + evaluations + tasks → GRPO groups."""
     return _service("groups", ("groups",), where, _kafka_env(kafka), timeout_s=timeout_s)
+
+
+def docker(instances_file: Path | None = None, *, say: Callable[[str], None] = print) -> Part:
+    """The Docker engine the docker runtime's sessions and graders run on (deploy/docker_engine.py: one that
+    answers, else rollwire's own dockerd), exported as ``DOCKER_HOST`` for the services started after it,
+    and the images they run (deploy/images.py: base, harnesses and ``instances_file``'s instance images),
+    each built only when its inputs changed. The engine stays up afterwards, like the broker."""
+    from deploy import docker_engine, images
+
+    found = docker_engine.find_engine()
+    url = docker_engine.ensure_engine()
+    images.build_images(instances_file, say=say)
+    return Part("docker", "reused" if found else "started", url)

@@ -6,15 +6,31 @@ is expanded into ``num_samples`` sessions that each carry a copy of them.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.envelope import Event, Model, new_event_id
 from schemas.topics import Topic
 
 BuilderName = Literal["per_request", "prefix_merging"]
 HarnessName = Literal["codex", "claude-code", "qwen-code", "pi", "command"]
+NetworkMode = Literal["relay", "host", "none"]
+
+_MEMORY = re.compile(r"^([0-9]+)([bkmg]?)$", re.IGNORECASE)
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+MIN_MEMORY_BYTES = 6 * (1 << 20)
+"""Docker's own floor for a container's memory limit."""
+
+
+def memory_bytes(text: str) -> int:
+    """Docker's memory notation (``512m``, ``2g``, ``1048576``; units b/k/m/g, case-insensitive) in bytes."""
+    match = _MEMORY.match(text.strip())
+    if match is None:
+        raise ValueError(f"memory {text!r}: expected a whole number with an optional unit b, k, m or g "
+                         "(e.g. '512m', '2g')")
+    return int(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()]
 
 
 class RuntimeSpec(Model):
@@ -28,6 +44,23 @@ class RuntimeSpec(Model):
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     mounts: list[str] = Field(default_factory=list, description="'host:container[:ro]' (docker only).")
+    network: NetworkMode = Field(default="relay", description=(
+        "How a container reaches the proxy (docker only). 'relay': the container has no network; the "
+        "proxy is relayed through a Unix socket and seen at http://127.0.0.1:<port> inside. 'host': the "
+        "host's network. 'none': no network and no proxy."))
+    cpus: float | None = Field(default=None, gt=0, description="CPUs the container may use (docker only); "
+                               "None: unlimited.")
+    memory: str | None = Field(default=None, description="Memory limit, docker notation ('512m', '2g'), swap "
+                               "included (docker only); None: unlimited.")
+    pids_limit: int | None = Field(default=None, ge=1, description="Processes the container may hold (docker "
+                                   "only); None: the runtime's default (4096).")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory_is_docker_notation(cls, value: str | None) -> str | None:
+        if value is not None and memory_bytes(value) < MIN_MEMORY_BYTES:
+            raise ValueError(f"memory {value!r}: below docker's minimum of 6m")
+        return value
 
     @model_validator(mode="after")
     def _docker_needs_image(self) -> RuntimeSpec:

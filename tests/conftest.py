@@ -76,3 +76,32 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         if part.stop is not None:
             part.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[str]:
+    """A Docker engine for the docker runtime's tests (deploy/docker_engine.py): one that answers, else
+    rollwire's own ``dockerd`` started here and stopped at the end of the run. ``.ci/run`` installs
+    Debian's docker.io; without ``dockerd`` the tests fail saying what to install."""
+    from deploy import docker_engine
+
+    started = docker_engine.find_engine() is None
+    url = docker_engine.ensure_engine()
+    try:
+        yield url
+    finally:
+        if started:
+            docker_engine.stop_engine()
+
+
+@pytest.fixture(scope="session")
+def docker_images(docker_engine: str) -> list[str]:
+    """The images the docker tests run (``rollwire images build``: the Debian base, the pinned CLIs, the
+    SWE-style examples' instance images), built once and kept by the engine's data root across runs."""
+    from pathlib import Path
+
+    from deploy.images import build_images
+
+    instances = Path(__file__).resolve().parents[1] / "examples" / "swebench" / "instances.jsonl"
+    results = build_images(instances, say=lambda line: print(line, flush=True))
+    return [r.image for r in results]

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from processors.evaluators.base import Evaluator, EvaluatorConfigError, EvaluatorError
 from processors.evaluators.session_completed import SessionCompleted
+from processors.evaluators.swebench import SwebenchEvaluator
 from processors.evaluators.tests_evaluator import TestsEvaluator
 
 EVALUATORS: dict[str, type[Evaluator]] = {
     SessionCompleted.name: SessionCompleted,
     TestsEvaluator.name: TestsEvaluator,
+    SwebenchEvaluator.name: SwebenchEvaluator,
 }
 
 

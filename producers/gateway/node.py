@@ -19,6 +19,10 @@ uncommitted, so the partition's next owner runs them), claimed ones run to their
 committed, and the node leaves the group. A second request (:meth:`GatewayNode.stop_now`) cancels what
 still runs. Cancelling one session: ``POST /v1/sessions/{id}/cancel`` on the node that holds it (the
 ``node`` of the session's latest stage event); it ends as ``cancelled`` with its patch so far.
+
+Containers of a node that died hard are removed by the reaper (:mod:`producers.runtimes.reaper`): every
+node runs a pass at start and every ``REAP_INTERVAL_S`` on this host's Docker engine, when the docker
+SDK imports and an engine answers (a node never fails for it).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from producers.gateway.offsets import OffsetBook
 from producers.gateway.pipeline import AdapterFor, Pipeline, RuntimeFor, SessionRun
 from producers.gateway.settings import GatewaySettings
 from producers.runtimes.base import Runtime
+from producers.runtimes.reaper import reap_if_docker
 from schemas.sessions import FailureKind, SessionEnded, SessionSpec, SessionStage, SessionStageChanged, SessionStatus
 from schemas.topics import Topic
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings
@@ -47,6 +52,7 @@ from schemas.transport.errors import TransportError
 logger = logging.getLogger(__name__)
 
 _END_RETRY_S = 120.0
+REAP_INTERVAL_S = 60.0
 
 
 @dataclass
@@ -160,12 +166,27 @@ class GatewayNode:
                                            service=service_name(self.name), dedupe_window=0,
                                            listener=_Rebalance(self))
             await stack.enter_async_context(self._consumer)
+            reaper = asyncio.create_task(self._reap_forever(), name=f"gateway-reaper-{self.name}")
+            stack.push_async_callback(_stop, reaper)
             self.started.set()
             logger.info("gateway node %s in group %s (run slots %d, prewarm %d, init workers %d)", self.name,
                         self.group, self.settings.run_slots, self.settings.prewarm, self.settings.init_workers)
             await self._consume()
             await self._finish()
         logger.info("gateway node %s left the group", self.name)
+
+    async def _reap_forever(self) -> None:
+        """Remove orphaned session containers of this host now and every ``REAP_INTERVAL_S``."""
+        while True:
+            try:
+                removed = await asyncio.to_thread(reap_if_docker)
+            except Exception:  # never the node's failure
+                logger.warning("gateway node %s: reaper pass failed", self.name, exc_info=True)
+            else:
+                if removed:
+                    logger.info("gateway node %s: reaper removed %d orphaned container(s): %s", self.name,
+                                len(removed), ", ".join(removed))
+            await asyncio.sleep(REAP_INTERVAL_S)
 
     # -- the loop ---------------------------------------------------------------------------------------
     async def _consume(self) -> None:
@@ -363,7 +384,10 @@ class GatewayNode:
 
     def _runtime_for(self, kind: str) -> Runtime:
         if kind not in self._runtimes:
-            self._runtimes[kind] = self._runtime_factory(kind)
+            runtime = self._runtime_factory(kind)
+            if runtime.node is None:
+                runtime.node = self.name  # containers say which node made them
+            self._runtimes[kind] = runtime
         return self._runtimes[kind]
 
     # -- rebalance --------------------------------------------------------------------------------------
@@ -388,6 +412,12 @@ class GatewayNode:
         if assigned:
             logger.info("gateway node %s: partitions assigned: %s", self.name,
                         sorted(p.partition for p in assigned))
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def stages_held(sessions: list[SessionRun]) -> dict[str, int]:

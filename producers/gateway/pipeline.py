@@ -235,7 +235,7 @@ class Pipeline:
                 await asyncio.to_thread(adapter.executable)
                 session.handle = await runtime.init(session.session_id, spec.runtime,
                                                     timeout_s=max(session.remaining_s(), 0.001))
-                proxy = runtime.proxy_url_for(self.settings.proxy_url).rstrip("/")
+                proxy = session.handle.proxy_url_for(self.settings.proxy_url).rstrip("/")
                 base = f"{proxy}/s/{session.session_id}"
                 context = HarnessContext(
                     session_id=session.session_id, instruction=spec.instruction or "", model=spec.agent.model,

@@ -1,4 +1,4 @@
-"""`rollwire rollout-server` (serve the rollout API) and `rollwire submit tasks.jsonl` (post a tasks file).
+"""`rollwire rollout-server` (the rollout API) and `rollwire submit [--format swebench] FILE` (post a tasks file).
 
 The main job, `rollwire rollout tasks.jsonl`, brings up a whole stack: it lives in deploy/job.py."""
 
@@ -26,23 +26,42 @@ def rollout_server(host: str = typer.Option(None, help="Listen address (ROLLWIRE
                 access_log=False)
 
 
-def submit(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help="JSON Lines, one TaskRequest a line."),
+def submit(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help=(
+               "JSON Lines, one TaskRequest a line; with --format swebench, SWE-bench instances (JSON array or "
+               "JSON Lines).")),
            server: str = typer.Option(None, help="Rollout server URL (default from ROLLWIRE_ROLLOUT_*)."),
-           harness: str = typer.Option(None, help="Override every task's agent.harness."),
-           samples: int = typer.Option(None, min=1, help="Override every task's num_samples."),
+           file_format: str = typer.Option("tasks", "--format", help=(
+               "'tasks' (TaskRequest JSON Lines) or 'swebench' (SWE-bench / SWE-Gym instances, each graded "
+               "by the swebench evaluator in a fresh container of its image).")),
+           harness: str = typer.Option(None, help="Override every task's agent.harness (swebench: default "
+                                       "qwen-code)."),
+           samples: int = typer.Option(None, min=1, help="Override every task's num_samples (swebench: default "
+                                       "1)."),
+           max_tokens: int = typer.Option(None, min=1, help="swebench: engine.max_tokens of every task."),
+           network: str = typer.Option(None, help="swebench: the sessions' container network (relay, host, none; "
+                                       "default relay)."),
            as_json: bool = typer.Option(False, "--json", help="One JSON object a submitted task.")) -> None:
-    """Submit each task of a tasks file and print its session ids; bad lines are reported by number."""
-    from producers.rollout.taskfile import Overrides, submit_file
+    """Submit each task of a tasks file and print its session ids; bad entries are reported by where they are."""
+    from producers.rollout.taskfile import TASK_FORMATS, Overrides, TaskFormat, submit_file
+    from schemas.tasks import EngineParams
 
+    if file_format not in TASK_FORMATS:
+        typer.secho(f"error: --format must be one of {', '.join(TASK_FORMATS)}, not {file_format!r}",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2)
+    fmt: TaskFormat = "swebench" if file_format == "swebench" else "tasks"
     url = server or RolloutServerSettings().url
-    submitted, bad = submit_file(tasks_file, url, Overrides(harness=harness, samples=samples))
-    for line_no, answer in submitted:
+    overrides = Overrides(harness=harness, samples=samples,
+                          engine=EngineParams(max_tokens=max_tokens) if max_tokens else None,
+                          runtime={"network": network} if network else None)
+    submitted, bad = submit_file(tasks_file, url, overrides, format=fmt)
+    for line, answer in submitted:
         if as_json:
-            typer.echo(json.dumps({"line": line_no, **answer.model_dump(mode="json")}))
+            typer.echo(json.dumps({"line": line.line_no, "where": line.label, **answer.model_dump(mode="json")}))
         else:
-            typer.echo(f"line {line_no}: task {answer.task_id}: {' '.join(answer.session_ids)}")
-    for line in bad:
-        typer.secho(f"line {line.line_no}: error: {line.error}", fg=typer.colors.RED, err=True)
+            typer.echo(f"{line.label}: task {answer.task_id}: {' '.join(answer.session_ids)}")
+    for refused in bad:
+        typer.secho(f"{refused.label}: error: {refused.error}", fg=typer.colors.RED, err=True)
     typer.echo(f"submitted={len(submitted)} refused={len(bad)}", err=True)
     if bad:
         raise typer.Exit(code=1)

@@ -162,9 +162,11 @@ def _traces(session: SessionStatusView) -> str:
 
 
 def sessions_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) -> Table:
-    """One row per session: how it ended, its calls and trajectory, its reward and its GRPO advantage."""
+    """One row per session: how it ended, its calls and trajectory, its reward, whether it passed (for the
+    ``swebench`` evaluator: whether the instance is resolved) and its GRPO advantage."""
     table = Table(title="rewards per session", title_justify="left")
-    for name in ("session", "status", "completions", "trajectory", "reward", "passed", "advantage"):
+    verdict_name = "resolved" if any(s.evaluator == "swebench" for s in statuses) else "passed"
+    for name in ("session", "status", "completions", "trajectory", "reward", verdict_name, "advantage"):
         table.add_column(name, justify="left" if name in ("session", "status", "trajectory") else "right",
                          no_wrap=name == "session")
     for status in statuses:

@@ -1,9 +1,13 @@
-"""Reading a tasks file (JSON Lines, one TaskRequest a line) and posting it to a rollout server.
+"""Reading a tasks file and posting it to a rollout server.
+
+Two formats (``load_tasks(..., format=...)``): ``tasks`` (the default: JSON Lines, one TaskRequest a
+line) and ``swebench`` (SWE-bench / SWE-Gym instances, a JSON array or JSON Lines, each converted by
+schemas.swebench.to_task_request into a task graded by the ``swebench`` evaluator).
 
 Blank lines and lines starting with ``#`` are skipped. A relative ``runtime.repo`` that is a local path
 (not a URL, not ``user@host:path``) is resolved against the tasks file's directory, so a tasks file and
-its task repositories travel together. A bad line is reported with its line number; the others are
-still submitted.
+its task repositories travel together. A bad line (or array entry) is reported with where it is; the
+others are still submitted.
 """
 
 from __future__ import annotations
@@ -11,13 +15,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import httpx
 from pydantic import ValidationError
 
 from schemas.rollouts import TaskSubmitted
-from schemas.tasks import TaskRequest
+from schemas.swebench import read_instances, to_task_request
+from schemas.tasks import EngineParams, HarnessName, TaskRequest
+
+TaskFormat = Literal["tasks", "swebench"]
+TASK_FORMATS: tuple[str, ...] = get_args(TaskFormat)
+DEFAULT_SWEBENCH_HARNESS: HarnessName = "qwen-code"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +35,13 @@ class TaskLine:
 
     line_no: int
     request: TaskRequest
+    where: str | None = None
+    """Where it is when not a line (``instance 3`` of a JSON array); see :attr:`label`."""
+
+    @property
+    def label(self) -> str:
+        """``line N``, or where the entry is."""
+        return self.where or f"line {self.line_no}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +50,13 @@ class BadLine:
 
     line_no: int
     error: str
+    where: str | None = None
+    """Where it is when not a line (``instance 3`` of a JSON array); see :attr:`label`."""
+
+    @property
+    def label(self) -> str:
+        """``line N``, or where the entry is."""
+        return self.where or f"line {self.line_no}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +67,10 @@ class Overrides:
     samples: int | None = None
     task_id_suffix: str | None = None
     """Appended to every task id (``{task_id}-{suffix}``) so that a file can be run more than once."""
+    engine: EngineParams | None = None
+    """Engine parameters for tasks that carry none (SWE-bench instances)."""
+    runtime: dict[str, Any] | None = None
+    """Extra RuntimeSpec fields for SWE-bench tasks' containers (``network``, ``cpus``, ``memory``, ...)."""
 
 
 def _is_local_path(repo: str) -> bool:
@@ -78,8 +105,14 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def load_tasks(path: Path, overrides: Overrides = Overrides()) -> tuple[list[TaskLine], list[BadLine]]:
-    """The file's task requests and its bad lines, each with its line number (1-based)."""
+def load_tasks(path: Path, overrides: Overrides = Overrides(), *,
+               format: TaskFormat = "tasks") -> tuple[list[TaskLine], list[BadLine]]:
+    """The file's task requests and its bad entries, each with its line number (1-based; for a JSON
+    array of SWE-bench instances, the entry's position)."""
+    if format == "swebench":
+        return load_swebench(path, overrides)
+    if format != "tasks":
+        raise ValueError(f"unknown tasks file format {format!r}; known: {', '.join(TASK_FORMATS)}")
     good: list[TaskLine] = []
     bad: list[BadLine] = []
     base = path.resolve().parent
@@ -104,6 +137,37 @@ def load_tasks(path: Path, overrides: Overrides = Overrides()) -> tuple[list[Tas
     return good, bad
 
 
+def _harness(name: str | None) -> HarnessName:
+    if name is None:
+        return DEFAULT_SWEBENCH_HARNESS
+    if name not in get_args(HarnessName):
+        raise ValueError(f"unknown harness {name!r}; known: {', '.join(get_args(HarnessName))}")
+    return name  # type: ignore[return-value]  # checked against the literal's values above
+
+
+def load_swebench(path: Path, overrides: Overrides = Overrides()) -> tuple[list[TaskLine], list[BadLine]]:
+    """SWE-bench instances (JSON array or JSON Lines) as task requests; harness ``overrides.harness`` (default
+    qwen-code), ``overrides.samples`` sessions each (default 1)."""
+    records, refused = read_instances(path)
+    bad = [BadLine(entry.position, entry.error, entry.where) for entry in refused]
+    good: list[TaskLine] = []
+    try:
+        harness = _harness(overrides.harness)
+    except ValueError as exc:
+        return [], sorted(bad + [BadLine(r.position, str(exc), r.where) for r in records], key=lambda b: b.line_no)
+    for record in records:
+        try:
+            request = to_task_request(record.instance, harness=harness, samples=overrides.samples or 1,
+                                      engine=overrides.engine, task_id_suffix=overrides.task_id_suffix,
+                                      runtime=overrides.runtime)
+        except ValidationError as exc:
+            bad.append(BadLine(record.position, _describe(exc), record.where))
+            continue
+        good.append(TaskLine(record.position, request, record.where))
+    bad.sort(key=lambda b: b.line_no)
+    return good, bad
+
+
 def _refusal(response: httpx.Response) -> str:
     try:
         detail = response.json().get("detail")
@@ -123,18 +187,18 @@ def post_task(client: httpx.Client, server_url: str, request: TaskRequest) -> Ta
     return TaskSubmitted.model_validate(response.json())
 
 
-def submit_file(path: Path, server_url: str, overrides: Overrides = Overrides(), *,
-                timeout_s: float = 30.0) -> tuple[list[tuple[int, TaskSubmitted]], list[BadLine]]:
-    """Submit every good line of a tasks file; the submitted tasks and the bad or refused lines."""
-    good, bad = load_tasks(path, overrides)
-    submitted: list[tuple[int, TaskSubmitted]] = []
+def submit_file(path: Path, server_url: str, overrides: Overrides = Overrides(), *, timeout_s: float = 30.0,
+                format: TaskFormat = "tasks") -> tuple[list[tuple[TaskLine, TaskSubmitted]], list[BadLine]]:
+    """Submit every good entry of a tasks file; the submitted tasks and the bad or refused entries."""
+    good, bad = load_tasks(path, overrides, format=format)
+    submitted: list[tuple[TaskLine, TaskSubmitted]] = []
     with httpx.Client(timeout=timeout_s) as client:
         for line in good:
             try:
-                submitted.append((line.line_no, post_task(client, server_url, line.request)))
+                submitted.append((line, post_task(client, server_url, line.request)))
             except ValueError as exc:
-                bad.append(BadLine(line.line_no, str(exc)))
+                bad.append(BadLine(line.line_no, str(exc), line.where))
             except httpx.HTTPError as exc:
-                bad.append(BadLine(line.line_no, f"rollout server at {server_url} unreachable: {exc}"))
+                bad.append(BadLine(line.line_no, f"rollout server at {server_url} unreachable: {exc}", line.where))
     bad.sort(key=lambda b: b.line_no)
     return submitted, bad

@@ -51,6 +51,11 @@ class RuntimeHandle(abc.ABC):
     home: str
     """A session-private HOME as commands in the runtime see it."""
 
+    def proxy_url_for(self, proxy_url: str) -> str:
+        """The proxy's URL as the harness in this runtime reaches it (a ``relay`` container: its own
+        loopback). Called before the harness runs; the docker relay forwards to that proxy from then on."""
+        return proxy_url
+
     @abc.abstractmethod
     async def write_home_files(self, files: Mapping[str, str]) -> None:
         """Write ``files`` (path relative to HOME → text) into the runtime's HOME."""
@@ -75,11 +80,14 @@ class Runtime(abc.ABC):
     """Makes handles for one kind of runtime."""
 
     kind: str
+    node: str | None = None
+    """The gateway node this runtime serves (set by the node; docker labels containers with it)."""
 
     @abc.abstractmethod
     async def init(self, session_id: str, spec: RuntimeSpec, *, timeout_s: float) -> RuntimeHandle:
         """Prepare a workspace from ``spec``; raises :class:`RuntimeInitError` with the reason."""
 
     def proxy_url_for(self, proxy_url: str) -> str:
-        """The proxy's URL as a harness inside this runtime reaches it (docker rewrites loopback)."""
+        """The proxy's URL as a harness inside this runtime reaches it, where that is the same for every
+        handle; the pipeline asks the handle (:meth:`RuntimeHandle.proxy_url_for`)."""
         return proxy_url
