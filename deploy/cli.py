@@ -147,9 +147,18 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
 
 
 @app.command()
-def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help="JSON Lines, one TaskRequest a line."),
+def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help=(
+                "JSON Lines, one TaskRequest a line; with --format swebench, SWE-bench / SWE-Gym instances.")),
             harness: str = typer.Option(None, help="Run every task with this harness (codex, claude-code, "
                                                    "qwen-code, pi, command)."),
+            file_format: str = typer.Option("tasks", "--format", help=(
+                "'tasks' (TaskRequest JSON Lines) or 'swebench' (instances, each run in its image and graded "
+                "by the swebench evaluator in a fresh container).")),
+            runtime: str = typer.Option(None, help="Run every task in this runtime: 'local' or 'docker' (a "
+                                                   "container per session; the Docker engine and the images "
+                                                   "are brought up first)."),
+            max_tokens: int = typer.Option(None, min=1, help="--format swebench: each reply's engine.max_tokens "
+                                                             "(instances carry none; a random model needs a cap)."),
             samples: int = typer.Option(None, min=1, help="Sessions per task (overrides num_samples)."),
             timeout_s: float = typer.Option(None, help="Give up waiting after this long (default: the longest "
                                                        "task timeout plus 5 minutes)."),
@@ -164,9 +173,14 @@ def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, 
     progress, print a summary."""
     from deploy.job import JobOptions, run_job
 
+    if file_format not in ("tasks", "swebench") or runtime not in (None, "local", "docker"):
+        typer.secho("--format is 'tasks' or 'swebench'; --runtime is 'local' or 'docker'", fg=typer.colors.RED,
+                    err=True)
+        raise typer.Exit(code=2)
     options = JobOptions(tasks_file=tasks_file, harness=harness, samples=samples, timeout_s=timeout_s,
                          proxy_port=proxy_port, server_port=server_port, keep_services=keep_services,
-                         live=live)
+                         live=live, file_format="swebench" if file_format == "swebench" else "tasks",
+                         runtime=runtime, max_tokens=max_tokens)
     raise typer.Exit(code=run_job(options))
 
 

@@ -67,6 +67,7 @@ from producers.rollout.taskfile import BadLine, Overrides, TaskFormat, TaskLine,
 from proxy.settings import ProxySettings
 from schemas.rollouts import TaskState, TaskStatus, TaskSubmitted
 from schemas.sessions import FailureKind
+from schemas.tasks import EngineParams
 from schemas.topics import Topic
 from schemas.transport.settings import KafkaSettings
 from sinks.sft import SftCriteria
@@ -93,6 +94,8 @@ class JobOptions:
     file_format: TaskFormat = "tasks"
     runtime: str | None = None
     """Run every task in this runtime kind (``local`` or ``docker``) instead of its own."""
+    max_tokens: int | None = None
+    """engine.max_tokens for tasks that carry no engine parameters (SWE-bench instances)."""
 
 
 # ---- the stack ----------------------------------------------------------------------------------------
@@ -296,8 +299,10 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
             console = Console(width=200)  # logs and pipes: keep the tables' rows whole
     started_at = time.time()
     run_id = time.strftime("%m%d%H%M%S") + secrets.token_hex(1)
+    engine = EngineParams(max_tokens=options.max_tokens) if options.max_tokens else None
     loaded, bad = load_tasks(options.tasks_file, Overrides(harness=options.harness, samples=options.samples,
-                                                           task_id_suffix=f"r{run_id}"), format=options.file_format)
+                                                           task_id_suffix=f"r{run_id}", engine=engine),
+                             format=options.file_format)
     good: list[TaskLine] = []
     for line in loaded:
         try:

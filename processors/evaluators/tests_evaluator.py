@@ -6,7 +6,12 @@ patch (``SessionEnded.patch``), then ``settings.test_patch`` if given (hidden te
 then ``settings.command`` with ``settings.timeout_s``. Reward 1.0 if the command exits 0, else 0.0.
 
 The runtime is docker where the spec says docker and a docker engine answers, else local (a docker spec
-scored locally says so in ``details.runtime``: the issue asks for docker "where it answers").
+scored locally says so in ``details.runtime``: the issue asks for docker "where it answers"). A docker
+grading container has no network (``network: none``: a grader needs no proxy). Patches are applied with
+``git apply`` (checked first, so a refused patch changes nothing) on this machine where the workspace is
+here (the local runtime, or a docker spec with ``repo``: bind-mounted), and inside the container where the
+workspace is the image's own repository (a docker spec without ``repo``, e.g. ``/testbed`` of a SWE-style
+task image; ``details.patch_applied_in`` says which).
 
 Settings (the session spec's ``evaluator.settings``, over the command line's ``--settings``):
 ``command`` (required; a shell string run with ``sh -c``, or an argv list), ``timeout_s`` (600),
@@ -40,6 +45,8 @@ from schemas.tasks import RuntimeSpec
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_INIT_TIMEOUT_S = 1800.0
 OUTPUT_TAIL_CHARS = 4000
+PATCH_TIMEOUT_S = 120.0
+_GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
 
 
 def _argv(command: Any) -> list[str]:
@@ -51,9 +58,37 @@ def _argv(command: Any) -> list[str]:
                                f"got {command!r}")
 
 
-def _host_workspace(handle: RuntimeHandle) -> Path:
-    """The workspace as this machine sees it (a docker handle bind-mounts it from here)."""
-    return Path(getattr(handle, "host_workspace", None) or handle.workspace)
+def _host_workspace(handle: RuntimeHandle) -> Path | None:
+    """The workspace as this machine sees it (a docker handle bind-mounts it from here); None when it is
+    inside the container (a docker handle's workspace in the image)."""
+    if not hasattr(handle, "host_workspace"):  # the local runtime: the workspace is here
+        return Path(handle.workspace)
+    host = getattr(handle, "host_workspace")  # noqa: B009 - not every handle has it
+    return None if host is None else Path(host)
+
+
+async def _apply_in_runtime(handle: RuntimeHandle, patch: str, *, timeout_s: float = PATCH_TIMEOUT_S) -> None:
+    """Apply ``patch`` to the workspace by ``git apply`` run in the runtime (checked first, so a refused
+    patch changes nothing); PatchDoesNotApply with git's reason if it refuses."""
+    data = patch if patch.endswith("\n") else patch + "\n"
+    for check in (["--check"], []):
+        result = await handle.run(["git", "apply", *check, "--whitespace=nowarn", "-"], env=_GIT_ENV,
+                                  timeout_s=timeout_s, stdin=data)
+        if result.timed_out:
+            raise PatchDoesNotApply(f"git apply did not finish within {timeout_s:g} s")
+        if result.exit_code != 0:
+            said = (result.stderr or result.stdout).strip()[-2000:]
+            raise PatchDoesNotApply(said or f"git apply exited {result.exit_code}")
+
+
+async def _apply(handle: RuntimeHandle, patch: str) -> str:
+    """Apply ``patch`` to the handle's workspace, here or in the container; where it was applied."""
+    workspace = _host_workspace(handle)
+    if workspace is None:
+        await _apply_in_runtime(handle, patch)
+        return "container"
+    await apply_patch(workspace, patch)
+    return "host"
 
 
 class TestsEvaluator(Evaluator):
@@ -101,27 +136,28 @@ class TestsEvaluator(Evaluator):
         runtime, details["runtime"] = await self._runtime(runtime_spec)
         if runtime.kind == "local" and runtime_spec.kind == "docker":
             runtime_spec = runtime_spec.model_copy(update={"kind": "local"})
+        elif runtime.kind == "docker":
+            runtime_spec = runtime_spec.model_copy(update={"network": "none"})
         try:
             handle = await runtime.init(f"eval-{ended.session_id}", runtime_spec, timeout_s=init_timeout_s)
         except RuntimeInitError as exc:
             return self.failed(ended, spec, f"runtime: {exc}", details)
         try:
             details["base_commit"] = getattr(handle, "base_commit", None)
-            workspace = _host_workspace(handle)
             try:
-                await apply_patch(workspace, ended.patch or "")
+                details["patch_applied_in"] = await _apply(handle, ended.patch or "")
             except PatchDoesNotApply as exc:
                 return self.result(ended, spec, reward=0.0, passed=False,
                                    details={**details, "reason": f"patch does not apply: {exc}"})
             if settings.get("test_patch"):
                 try:
-                    await apply_patch(workspace, str(settings["test_patch"]))
+                    await _apply(handle, str(settings["test_patch"]))
                 except PatchDoesNotApply as exc:
                     return self.failed(ended, spec, f"settings.test_patch does not apply after the session's "
                                        f"patch: {exc}", details)
             outcome = await handle.run(argv, env=env, timeout_s=timeout_s)
         finally:
-            await handle.teardown()
+            await asyncio.shield(handle.teardown())
         passed = outcome.exit_code == 0 and not outcome.timed_out
         details.update(command=" ".join(shlex.quote(a) for a in argv), exit_code=outcome.exit_code,
                        timed_out=outcome.timed_out, duration_s=round(outcome.duration_s, 3),

@@ -21,7 +21,7 @@ class GatewaySettings(BaseSettings):
     """Every field reads ``ROLLWIRE_GATEWAY_<FIELD>``.
 
     ``PROXY_URL`` (``http://127.0.0.1:18080``): the proxy as this machine reaches it; a runtime rewrites it
-    for the harness (``Runtime.proxy_url_for``).
+    for the harness (``RuntimeHandle.proxy_url_for``: the docker runtime's socket relay).
     ``INIT_WORKERS`` (4): runtime inits at once. ``RUN_SLOTS`` (4): harness runs at once.
     ``POST_WORKERS`` (2): post-runs (patch) and teardowns at once.
     ``PREWARM`` (2): runtimes initialized ahead of free run slots; a session holds one of

@@ -11,6 +11,7 @@ the same image: resolved, reward 1. No container of the session or its grading i
 from __future__ import annotations
 
 import asyncio
+import base64
 import shutil
 import subprocess
 import uuid
@@ -74,10 +75,13 @@ async def test_qwen_code_in_a_container_fixes_an_instance_graded_in_a_fresh_one(
         kafka: KafkaSettings, proxy: ProxyUnderTest, docker_images: list[str], tmp_path: Path) -> None:
     instance = _instance("rollwire__textstats-1")
     fixed = _fixed_files(instance, tmp_path)
-    script = Script(steps=tuple(ToolStep("write_file", {"file_path": f"/testbed/{name}", "content": text})
+    # Qwen Code's write_file refuses to overwrite a file it has not read: the fix goes through its shell tool.
+    script = Script(steps=tuple(ToolStep("run_shell_command", {
+                                    "command": f"echo {base64.b64encode(text.encode()).decode()} | base64 -d > {name}",
+                                    "description": f"Write the fixed {name}"})
                                 for name, text in fixed.items()),
                     answer="word_count now splits on any whitespace.", expected_files={})
-    task = to_task_request(instance, harness="qwen-code", engine=EngineParams(max_tokens=256, turns=script.turns()))
+    task = to_task_request(instance, harness="qwen-code", engine=EngineParams(max_tokens=2048, turns=script.turns()))
     assert task.runtime.kind == "docker" and task.runtime.network == "relay"
     session_id = f"swe-{uuid.uuid4().hex[:10]}"
     spec = SessionSpec(session_id=session_id, task_id=task.task_id, instruction=task.instruction,
@@ -97,7 +101,7 @@ async def test_qwen_code_in_a_container_fixes_an_instance_graded_in_a_fresh_one(
             await asyncio.wait_for(node_task, 120)
 
     assert ended.status is SessionStatus.COMPLETED, (ended.reason, ended.artifacts)
-    assert ended.patch and all(f"b/{name}" in ended.patch for name in fixed), ended.patch
+    assert ended.patch and all(f"b/{name}" in ended.patch for name in fixed), ended.artifacts
     # Every call of the session came through the relay and was recorded: the tool turn and the answer.
     events = [e for e in await proxy.completions(script.calls) if e.session_id == session_id]
     assert [e.status for e in events] == ["ok"] * script.calls

@@ -205,3 +205,48 @@ async def test_runner_end_to_end(kafka, patches: dict[str, str], tmp_path: Path)
     assert completed["e-correct"].reward == 1.0 and completed["e-other"].reward == 0.0
     assert completed["e-crashed"].details["failure"] == "infrastructure"
     assert runner.counters == {"evaluated": 4, "errors": 0, "skipped": 2}
+
+
+@pytest.mark.docker
+async def test_a_repo_less_docker_task_is_scored_in_its_image(docker_images: list[str], tmp_path: Path) -> None:
+    """A docker spec without ``repo`` (a SWE-style image whose /testbed is the workspace): the session's
+    patch and the hidden test patch are applied inside a fresh container with no network (no relay
+    directory mounted); a fixing patch scores 1, a patch that fixes nothing 0 (tests fail), a stale one 0
+    (git's reason); no container is left behind."""
+    from producers.runtimes.docker import docker_client
+    from producers.runtimes.reaper import SESSION_LABEL
+    from schemas.swebench import read_instances, to_task_request
+
+    records, bad = read_instances(ROOT / "examples" / "swebench" / "instances.jsonl")
+    assert not bad
+    instance = next(r.instance for r in records if r.instance.instance_id == "rollwire__textstats-1")
+    assert instance.image in docker_images and instance.patch is not None
+    request = to_task_request(instance, harness="command", command="true")
+    assert request.runtime.repo is None and request.runtime.kind == "docker"
+    settings = {"command": "test ! -e /rollwire/run && python3 -m pytest -q -p no:cacheprovider tests/test_words.py",
+                "test_patch": instance.test_patch, "timeout_s": 120}
+    buggy = '    return len(text.split(" "))'
+    patches = {"gold": instance.patch,
+               "nothing": instance.patch.replace("+    return len(text.split())\n", f"+{buggy}  # fixed?\n"),
+               "stale": instance.patch.replace(f"-{buggy}\n", "-    return len(text.split(','))\n")}
+    client = docker_client()
+    evaluator = TestsEvaluator(scratch=tmp_path / "scratch")
+    results: dict[str, Evaluation] = {}
+    for name, patch in patches.items():
+        session_id = f"docker-{name}-{uuid.uuid4().hex[:8]}"
+        spec = SessionSpec(session_id=session_id, task_id=request.task_id, runtime=request.runtime,
+                           evaluator=EvaluatorSpec(name="tests", settings=settings))
+        results[name] = await evaluator.evaluate(ended(session_id, patch), spec)
+        left = client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}=eval-{session_id}"})
+        assert left == [], f"containers left behind: {[c.name for c in left]}"
+    gold, nothing, stale = results["gold"], results["nothing"], results["stale"]
+    assert gold.status == "ok" and gold.reward == 1.0 and gold.passed, gold.details
+    assert gold.details["runtime"] == "docker" and gold.details["patch_applied_in"] == "container"
+    assert gold.details["base_commit"] == instance.base_commit
+    assert "5 passed" in gold.details["output"]  # the hidden tests (test_patch) ran too
+    assert nothing.status == "ok" and nothing.reward == 0.0 and nothing.passed is False, nothing.details
+    assert "tests failed" in nothing.details["reason"] and "2 failed" in nothing.details["output"]
+    assert stale.status == "ok" and stale.reward == 0.0, stale.details
+    reason = stale.details["reason"]
+    assert reason.startswith("patch does not apply") and "textstats/words.py" in reason, reason
+    assert list((tmp_path / "scratch").iterdir()) == []
