@@ -77,13 +77,18 @@ def _mean_stage_time(sessions: Sequence[SessionStatusView], stage: str) -> float
     return mean(values) if values else None
 
 
+def _verdict_name(statuses: Sequence[TaskStatus]) -> str:
+    """What a pass is called: ``resolved`` for SWE-bench-style tasks (the ``swebench`` evaluator)."""
+    return "resolved" if any(s.evaluator == "swebench" for s in statuses) else "passed"
+
+
 def summary_table(statuses: Sequence[TaskStatus]) -> Table:
     """The final table: per task and in total, sessions by outcome, completions, trajectories, rewards
     (where an evaluator ran) and mean seconds per stage."""
     table = Table(title="rollout summary", title_justify="left")
     table.add_column("task", no_wrap=True)
     for name in ("sessions", "completed", "failed\npolicy", "failed\ninfra", "not\nended", "completions",
-                 "trajectories", "traces per\nsession", "reward\n(mean, n)", "passed"):
+                 "trajectories", "traces per\nsession", "reward\n(mean, n)", _verdict_name(statuses)):
         table.add_column(name, justify="right")
     for stage in TIMED_STAGES:
         table.add_column(f"{stage.replace('_', '-')}\ns (mean)", justify="right")
@@ -165,8 +170,7 @@ def sessions_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) 
     """One row per session: how it ended, its calls and trajectory, its reward, whether it passed (for the
     ``swebench`` evaluator: whether the instance is resolved) and its GRPO advantage."""
     table = Table(title="rewards per session", title_justify="left")
-    verdict_name = "resolved" if any(s.evaluator == "swebench" for s in statuses) else "passed"
-    for name in ("session", "status", "completions", "trajectory", "reward", verdict_name, "advantage"):
+    for name in ("session", "status", "completions", "trajectory", "reward", _verdict_name(statuses), "advantage"):
         table.add_column(name, justify="left" if name in ("session", "status", "trajectory") else "right",
                          no_wrap=name == "session")
     for status in statuses:
