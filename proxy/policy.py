@@ -206,7 +206,7 @@ class Policy:
             raise WeightApiMissing("the engine reports no weight version (vLLM serves GET /weight_info only with "
                                    "VLLM_SERVER_DEV_MODE=1), so this proxy cannot track or update its policy")
         return PolicyState(served_model=served_model, version=self.version, updating=self.updating_to is not None,
-                           updates=self.updates, last_paused_ms=self.last_paused_ms, held_calls=self.held)
+                           holding=not self._open.is_set(), updates=self.updates, last_paused_ms=self.last_paused_ms, held_calls=self.held)
 
     # -- weight updates -------------------------------------------------------------------------------
     async def update(self, request: WeightUpdate) -> PolicyState:

@@ -68,6 +68,9 @@ class PolicyState(Model):
     served_model: str | None = None
     version: str = Field(description="The engine's current weight version.")
     updating: bool = False
+    holding: bool = Field(default=False, description=(
+        "New calls are held now: the update is past its checks and has closed the gate (draining the calls "
+        "in flight, or loading)."))
     updates: int = Field(default=0, ge=0, description="Weight updates this proxy coordinated.")
     last_paused_ms: float | None = None
     held_calls: int = Field(default=0, ge=0, description="Calls waiting now for an update to finish.")

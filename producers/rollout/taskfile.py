@@ -21,7 +21,7 @@ import httpx
 from pydantic import ValidationError
 
 from schemas.rollouts import TaskSubmitted
-from schemas.swebench import read_instances, to_task_request
+from schemas.swebench import describe_validation_error, read_instances, to_task_request
 from schemas.tasks import EngineParams, HarnessName, TaskRequest
 
 TaskFormat = Literal["tasks", "swebench"]
@@ -97,14 +97,6 @@ def _resolve(document: dict[str, Any], base: Path, overrides: Overrides) -> dict
     return document
 
 
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors()[:5]:
-        where = ".".join(str(p) for p in error["loc"]) or "(line)"
-        parts.append(f"{where}: {error['msg']}")
-    return "; ".join(parts)
-
-
 def load_tasks(path: Path, overrides: Overrides = Overrides(), *,
                format: TaskFormat = "tasks") -> tuple[list[TaskLine], list[BadLine]]:
     """The file's task requests and its bad entries, each with its line number (1-based; for a JSON
@@ -131,7 +123,7 @@ def load_tasks(path: Path, overrides: Overrides = Overrides(), *,
         try:
             request = TaskRequest.model_validate(_resolve(document, base, overrides))
         except ValidationError as exc:
-            bad.append(BadLine(line_no, _describe(exc)))
+            bad.append(BadLine(line_no, describe_validation_error(exc)))
             continue
         good.append(TaskLine(line_no, request))
     return good, bad
@@ -161,7 +153,7 @@ def load_swebench(path: Path, overrides: Overrides = Overrides()) -> tuple[list[
                                       engine=overrides.engine, task_id_suffix=overrides.task_id_suffix,
                                       runtime=overrides.runtime)
         except ValidationError as exc:
-            bad.append(BadLine(record.position, _describe(exc), record.where))
+            bad.append(BadLine(record.position, describe_validation_error(exc), record.where))
             continue
         good.append(TaskLine(record.position, request, record.where))
     bad.sort(key=lambda b: b.line_no)

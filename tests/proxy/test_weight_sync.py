@@ -113,11 +113,12 @@ async def test_call_during_update_is_held_then_served_on_the_new_version(kafka: 
         await until(lambda: httpx.get(f"{r.url}/v1/policy", timeout=10).json()["updating"])
         calls = [asyncio.create_task(achat(session, stream=stream)) for stream in (False, True, False)]
         await until(lambda: httpx.get(f"{r.url}/v1/policy", timeout=10).json()["held_calls"] == 3)
+        assert httpx.get(f"{r.url}/v1/policy", timeout=10).json()["holding"]
         answer = await update
         update_ended = time.monotonic()
         assert answer.status_code == 200, answer.text
         state = answer.json()
-        assert state["version"] == "1" and state["updates"] == 1 and not state["updating"]
+        assert state["version"] == "1" and state["updates"] == 1 and not state["updating"] and not state["holding"]
         assert state["last_paused_ms"] >= 800
         for response, started, ended in await asyncio.gather(*calls):
             assert response.status_code == 200, response.text  # held, never failed
