@@ -46,7 +46,7 @@ from rich.live import Live
 
 from deploy import stack
 from deploy.errors import DeployError
-from deploy.images import HARNESS_IMAGE
+from deploy.images import DEFAULT_INSTANCES, HARNESS_IMAGE
 from deploy.job_results import collect
 from deploy.kafka import KafkaConfig
 from processors.groups.settings import GroupSettings
@@ -134,7 +134,9 @@ class Stack:
     def up(self, evaluators: set[str], docker: bool = False) -> None:
         self.console.print("[bold]stack[/bold]")
         if docker:
-            instances = self.options.tasks_file if self.options.file_format == "swebench" else None
+            # The instance images of a SWE-bench file, else the shipped examples' (scripted tasks use them).
+            instances = (self.options.tasks_file if self.options.file_format == "swebench"
+                         else DEFAULT_INSTANCES if DEFAULT_INSTANCES.is_file() else None)
             self.console.print("  docker           checking the engine and the images (the first build "
                                "takes a few minutes)…")
             self._report(stack.docker(instances, say=lambda line: self.console.print(f"    {line}",
