@@ -4,7 +4,9 @@ Each completion event is framed as the producer frames it (aiokafka's record bat
 record per batch as the proxy sends them), which is what the broker stores since topics keep the
 producer's compression. The cost of the sampled tokens is measured at the margin: the batch with the
 event's token ids and logprobs minus the batch of the same event without them, over the sampled tokens.
-The same events with the arrays as JSON number lists (how vLLM returns them) are the baseline.
+The same events with the arrays as JSON number lists (how vLLM returns them) are the baseline. Events
+are written whole here (keyframes, ``keyframe_every=1``) so that every figure is per event as captured;
+what prompt deltas save per session is ``python -m bench.log_size``.
 
     python -m bench.event_size [--sessions N]
 """
@@ -55,7 +57,8 @@ def main() -> None:
                             "json_margin", "packed_raw_margin"], 0)
     events = 0
     for s in range(args.sessions):
-        for event in session_completions(source, rng, session_id=f"bench-{s}", turns=args.turns):
+        for event in session_completions(source, rng, session_id=f"bench-{s}", turns=args.turns,
+                                         keyframe_every=1):
             key, headers = event.key(), event_headers(event)
             without = event.model_copy(update={"token_ids": None, "logprobs": None})
             full_value, bare_value = encode_event(event), encode_event(without)

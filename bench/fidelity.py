@@ -73,6 +73,7 @@ from producers.runtimes.local import LocalRuntime
 from proxy.app import create_app as create_proxy
 from proxy.settings import ProxySettings
 from schemas.completions import Completion
+from schemas.prompt_chain import resolve_session
 from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
 from schemas.tasks import AgentSpec, EngineParams, TaskRequest
 from schemas.topics import Topic
@@ -267,6 +268,9 @@ def _take(batch: Iterable[Any], results: dict[str, SessionResult]) -> int:
 
 def _build(results: Iterable[SessionResult]) -> None:
     for result in results:
+        # Prompts resolved first (deltas against earlier calls); a call whose parent is not in the log is
+        # left out (never built from its new tokens alone).
+        result.completions = resolve_session(result.completions).resolved
         ended = result.ended
         facts = SessionFacts(session_id=result.session_id, task_id=result.sample.spec.task_id,
                              status=ended.status if ended else None, failure=ended.failure if ended else None,

@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from bench.workloads import sampled_logprobs
 from processors.builders import SessionFacts, build_trajectory
 from schemas.completions import ChatMessage, Completion, NormalizedRequest
+from schemas.prompt_chain import resolve_session
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "sessions"
 VOCAB = 151_643  # Qwen's
@@ -136,7 +137,9 @@ def recorded_by_cli(root: Path = FIXTURES) -> dict[str, list[list[Completion]]]:
             cli.setdefault(event.session_id, cli_of(path))
     grouped: dict[str, list[list[Completion]]] = defaultdict(list)
     for session_id in sorted(by_session, key=lambda s: (cli[s], s)):
-        grouped[cli[session_id]].append(by_session[session_id])
+        # Recorded as written (v1 keyframes, or v2 prompt deltas): resolved to full prompts; a call whose
+        # parent is not in the files is left out.
+        grouped[cli[session_id]].append(resolve_session(by_session[session_id]).resolved)
     return dict(grouped)
 
 

@@ -45,6 +45,7 @@ from processors.open_sessions import (
 from schemas.codec import EventDecodeError, decode_event
 from schemas.completions import Completion
 from schemas.dead_letter import DeadLetter
+from schemas.prompt_chain import MissingPromptParent, resolve_session
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic, TopicRegistry
 from schemas.trajectories import Trajectory
@@ -101,21 +102,27 @@ class Outputs:
     read_completions: Callable[[int, list[int]], Awaitable[dict[int, bytes]]]
 
 
-def _validate_completion(value: bytes) -> Completion:
-    """Full validation of a completion whose envelope passed :func:`~processors.intake.peek` at intake.
+def _validate_completion(value: bytes, session_id: str) -> Completion:
+    """Full validation of a stored completion record, when its session is built.
 
-    The envelope checks were done then, so this is the model's validation only (orjson: the stdlib
-    parser cost a third of decode_event on a 20 kB record). Raises EventDecodeError like decode_event.
+    The record passed :func:`~processors.intake.peek` at intake, or only its headers' check (see
+    processors.intake.peek_completion), so everything is checked here: JSON, the model (pydantic parses
+    the bytes itself: no intermediate dicts), and that it belongs to the session its key put it in.
+    Raises EventDecodeError with the dead letter's error type, like decode_event.
     """
     try:
-        return Completion.model_validate(orjson.loads(value))
-    except orjson.JSONDecodeError as exc:
-        raise EventDecodeError("invalid_json", f"record value is not JSON: {exc}") from exc
+        event = Completion.model_validate_json(value)
     except ValidationError as exc:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise EventDecodeError("invalid_json", f"record value is not JSON: {first['msg']}") from exc
         where = ".".join(str(p) for p in first["loc"]) or "(root)"
         raise EventDecodeError("invalid_event", f"{exc.title} failed validation ({exc.error_count()} errors), "
                                f"first: {where}: {first['msg']}") from exc
+    if event.session_id != session_id:
+        raise EventDecodeError("key_mismatch", f"completion of session {event.session_id!r} was stored under "
+                               f"session {session_id!r} (its record key)")
+    return event
 
 
 class SessionAggregator:
@@ -145,7 +152,7 @@ class SessionAggregator:
         self._names = {t: registry.name(t) for t in Topic}
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
         self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
-                         "read_back": 0, "lost": 0}
+                         "read_back": 0, "lost": 0, "unresolved": 0}
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -248,15 +255,16 @@ class SessionAggregator:
             return
         sid = session_id.encode()
         spec = self._spec(sid)
-        completions: list[Completion] = []
+        stored: list[tuple[CallRef, bytes, Completion]] = []
         for ref, value in (await self._payloads(session_id, session)).items():
             try:
-                event = _validate_completion(value)
+                event = _validate_completion(value, session_id)
             except EventDecodeError as exc:
                 # It passed the envelope check at intake; the full validation happens only now.
                 await self._dead_letter_value(session_id, ref, value, exc)
                 continue
-            completions.append(event)
+            stored.append((ref, value, event))
+        completions, left_out = await self._resolve_prompts(session_id, stored)
         try:
             trajectory = build_trajectory(builder_name(spec), completions,
                                           facts(session_id, session, spec, partial=partial))
@@ -264,10 +272,39 @@ class SessionAggregator:
             logger.exception("session %s: builder %s failed", session_id, builder_name(spec))
             trajectory = build_trajectory("per_request", [], facts(session_id, session, spec, partial=partial))
             trajectory.stats.problems.append(f"builder {builder_name(spec)} failed: {exc!r}")
+        trajectory.stats.problems.extend(left_out)
         self.in_flight.add(session_id)
         self.counters["trajectories"] += 1
         self.counters["partial"] += partial
         await self.out.send_trajectory(trajectory, session.partition)
+
+    async def _resolve_prompts(self, session_id: str, stored: list[tuple[CallRef, bytes, Completion]]
+                               ) -> tuple[list[Completion], list[str]]:
+        """The session's completions with their full prompts (prompt deltas resolved along their chains,
+        schemas.prompt_chain), and a problem line for each call left out.
+
+        A call whose prompt parent is not among the session's completions (retention deleted it, it was
+        dead-lettered, a corrupted record) cannot be resolved: its record is dead-lettered with the reason
+        (``missing_prompt_parent``), and so is every call further down its chain. The trajectory is built
+        from the resolved calls only, the left-out ones named in ``stats.problems``: those calls are
+        missing from it, like a completion lost to retention, but nothing in it is wrong (a missing
+        parent never yields a guessed prompt). Resolution is in log order (a parent is always before its
+        child in the session's partition).
+        """
+        chain = resolve_session([event for _, _, event in stored])
+        if not chain.missing:
+            return list(chain.resolved), []
+        where = {event.event_id: (ref, value) for ref, value, event in stored}
+        problems: list[str] = []
+        for item in chain.missing:
+            event = item.completion
+            ref, value = where[event.event_id]
+            error = EventDecodeError(MissingPromptParent.error_type, item.reason)
+            await self._dead_letter_value(session_id, ref, value, error)
+            problems.append(f"completion {event.event_id} (sequence {event.sequence}) left out and "
+                            f"dead-lettered: {error.error_type}: {item.reason}")
+        self.counters["unresolved"] += len(chain.missing)
+        return list(chain.resolved), problems
 
     async def _payloads(self, session_id: str, session: OpenSession) -> dict[CallRef, bytes]:
         """Each completion record's value, from the cache or else read back from the log, in log order."""

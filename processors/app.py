@@ -49,6 +49,12 @@ app = faust.App(
     producer_compression_type=None if conf.compression == "none" else conf.compression,
     producer_linger=0.005,  # batch the changelog writes: one produce request per record costs more CPU
     producer_max_batch_size=1024 * 1024,  # aiokafka's 16 kB default put every trajectory in its own batch
+    # Faust waits, when partitions are revoked, for every record handed to a stream to be acknowledged,
+    # before it sends the revocation signal. This agent acknowledges a record only once its table writes
+    # are flushed (on that signal, see _revoked), and may hold records it has not handled yet: the wait
+    # would never end (the rebalance hung until the member was thrown out). Not waiting is safe here: a
+    # record not acknowledged is not committed, and its partition's next owner reads it again.
+    stream_wait_empty=False,
 )
 
 # Our topics are declared as external: Faust reads and writes them but never creates or reconfigures them.
@@ -113,19 +119,29 @@ aggregator = SessionAggregator(
 
 # Records handled whose effect on the tables is still only in memory: acknowledged after the next flush.
 unflushed: list[faust.EventT] = []
+# How many times partitions were revoked or assigned (a batch handled across one is dropped, see sessions).
+assignments = [0]
 
 
-def flush() -> None:
-    """Write the buffered table changes, then acknowledge the records they came from.
+async def flush() -> None:
+    """Write the buffered table changes, wait until the broker has their changelog records, then
+    acknowledge the records they came from.
 
     A table write finds its partition (RocksDB store, changelog partition) through the current event:
     for each partition one of its unflushed records is made current while its writes are applied. Every
     record on partition P of an input (and every control record sent there) concerns sessions of
     partition P, so that is where their state belongs.
+
+    The wait matters: an acknowledged record's offset may be committed at any time, and Faust leaves the
+    group at a stop before it flushes its producer. Acknowledged before its changelog record was on the
+    broker, a record's effect could be missing from the table the partition's next owner recovers while
+    the record itself is never read again (seen in a two-worker rebalance: completions lost).
     """
     if not unflushed:
         return
-    latest = {event.message.partition: event for event in unflushed}
+    events = list(unflushed)
+    unflushed.clear()
+    latest = {event.message.partition: event for event in events}
 
     def enter(partition: int) -> bool:
         event = latest.get(partition)
@@ -134,38 +150,54 @@ def flush() -> None:
         _current_event.set(weakref.ref(event))
         return True
 
+    generation = assignments[0]
     try:
         aggregator.flush(enter)
     finally:
         _current_event.set(None)
-    for event in unflushed:
+    await app.producer.buffer.flush()
+    await app.producer.flush()
+    if assignments[0] != generation:
+        return  # reassigned meanwhile: the records are read again by their partitions' owners
+    for event in events:
         event.ack()
-    unflushed.clear()
 
 
 @app.agent(inputs, concurrency=1)
 async def sessions(stream: faust.StreamT) -> None:
     """Every input record, in partition order, one at a time (the single writer of the tables).
 
-    Acknowledgements are manual: a record is acknowledged (and its offset may be committed) only after
-    the table writes it caused are flushed, every ``batch_records`` records or ``batch_ms``, whichever
-    comes first. A session's state is written once per flush however many of its records came in.
+    One at a time on purpose: a table read finds its partition's store through the current event, which
+    the stream sets to the record it hands out (records taken in batches of several partitions read the
+    wrong partition's store: seen as sessions built twice in a two-worker run). Acknowledgements are
+    manual: a record is acknowledged (and its offset may be committed) only after it is handled and the
+    table writes it caused are flushed and on the broker, every ``batch_records`` records or
+    ``batch_ms``, whichever comes first. A session's state is written once per flush however many of
+    its records came in.
     """
     assert isinstance(stream, faust.Stream)  # declared as StreamT, which has no noack()
     async for event in stream.noack().events():
-        unflushed.append(event)
         if conf.transport_only:  # benchmarks: what Faust and the broker cost with no work done
             aggregator.counters["records"] += 1
+            unflushed.append(event)
             continue
+        generation = assignments[0]
         await aggregator.handle_batch((event.message,))
+        if assignments[0] != generation:
+            # The partitions were reassigned while the record awaited a send: it is read again from the
+            # committed offsets by its partition's owner; what it staged is dropped, never acknowledged.
+            aggregator.reset(None)
+            continue
+        # Only now: the flush timer (which may run while the record awaits a send) acknowledges it.
+        unflushed.append(event)
         if len(unflushed) >= conf.batch_records:
-            flush()
+            await flush()
 
 
 @app.timer(conf.batch_ms / 1000)
 async def flush_timer() -> None:
     if not app.rebalancing:
-        flush()
+        await flush()
 
 
 @app.timer(conf.tick_s)
@@ -180,18 +212,21 @@ async def deadlines() -> None:
 
 @on_partitions(app.on_partitions_revoked)
 async def _revoked(revoked: set[TP]) -> None:
-    flush()  # still ours: write what was done and acknowledge it before the offsets are committed
+    assignments[0] += 1
+    await flush()  # still ours: write what was done and acknowledge it before the offsets are committed
 
 
 @on_partitions(app.on_partitions_assigned)
 async def _assigned(assigned: set[TP]) -> None:
+    assignments[0] += 1
     unflushed.clear()  # anything not flushed is read again from the committed offsets
     aggregator.reset({tp.partition for tp in assigned if tp.topic == control.get_topic_name()})
 
 
 @on_signal(app.on_before_shutdown)
 async def _stopping() -> None:
-    flush()  # a clean stop leaves nothing to redo
+    # No flush here: Faust has left the group and closed the tables by now. What was acknowledged is on
+    # the broker (see flush); the rest is read again by the partitions' next owner.
     await log_reader.stop()
 
 

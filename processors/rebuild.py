@@ -10,21 +10,30 @@ worker did.
 
 It holds the selected sessions' events in memory while it reads: select with ``--sessions`` or
 ``--from`` on a large log.
+
+Prompt deltas are resolved per session (:func:`schemas.prompt_chain.resolve_session`) before building, as
+the worker does. A completion whose parent is not in the log (retention deleted it, a damaged record) is
+left out of its session's build and counted (``completions_missing_parent``) with the reason logged; the
+rebuild reads the log beside the worker and dead-letters nothing (the worker's group dead-letters it once).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from processors.builders import SessionFacts, build_trajectory, get_builder
 from schemas.completions import Completion
+from schemas.prompt_chain import resolve_session
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport import EventConsumer, EventProducer, ExtraTopic, ensure_topics
 from schemas.transport.settings import KafkaSettings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,19 +104,26 @@ def _trajectories(sessions: dict[str, _Session], request: RebuildRequest, since:
         facts = SessionFacts(session_id=session_id, task_id=(spec.task_id if spec else None) or end.task_id,
                              policy_version=spec.policy_version if spec else None, status=end.status,
                              failure=end.failure, partial=False, ended_at=end.occurred_at)
-        out.append(build_trajectory(request.builder, session.completions, facts))
+        chain = resolve_session(session.completions)
+        for missing in chain.missing:
+            counts["completions_missing_parent"] += 1
+            logger.warning("session %s: completion %s (sequence %d) left out: %s", session_id,
+                           missing.completion.event_id, missing.completion.sequence, missing.reason)
+        out.append(build_trajectory(request.builder, chain.resolved, facts))
     return out
 
 
 async def rebuild(settings: KafkaSettings, request: RebuildRequest) -> dict[str, Any]:
-    """Rebuild and write; returns counts (sessions, trajectories, open_skipped, traces)."""
+    """Rebuild and write; returns counts (sessions, trajectories, open_skipped, traces,
+    completions_missing_parent)."""
     get_builder(request.builder)  # unknown builder: fail before reading anything
     since = request.since
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=timezone.utc)
     sessions = await read_log(settings, request)
     await _ensure_topic(settings, request.to_topic)
-    counts = {"sessions_read": len(sessions), "trajectories": 0, "open_skipped": 0, "traces": 0}
+    counts = {"sessions_read": len(sessions), "trajectories": 0, "open_skipped": 0, "traces": 0,
+              "completions_missing_parent": 0}
     trajectories = _trajectories(sessions, request, since, counts)
     async with EventProducer(settings, service="rebuild") as producer:
         await producer.send_many(trajectories, to=request.to_topic)

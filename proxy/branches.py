@@ -22,6 +22,13 @@ and memory calls); ``sub_agent`` for a call with tools whose system prompt diffe
 
 The store is per session and per proxy instance (a session's calls go to one instance, as its call
 numbers do) and bounded: at most :data:`MAX_BRANCHES` branches, the least recently used dropped first.
+
+Each branch also remembers its last recorded event (:attr:`Branch.link`, a
+:class:`schemas.prompt_chain.ChainLink`: event id, prompt + sampled ids, messages, tools, chain depth):
+the parent the next exactly continued call's event is written as a delta against. It is set only once the
+broker has acknowledged that event, so a delta never names an event that is not on the log; a branch
+evicted (or a proxy restarted) is simply gone, and the next call opens a branch whose event is a keyframe,
+so eviction never leaves a dangling reference.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Literal
 
 from proxy.equivalence import common_prefix, content_text, same_message, tools_signature
 from schemas.completions import BranchRole, ChatMessage, NormalizedRequest
+from schemas.prompt_chain import ChainLink
 
 MAX_BRANCHES = 64
 
@@ -69,6 +77,7 @@ class Branch:
     last_parent: int | None = None
     spans: list[SampledSpan] = field(default_factory=list)
     served: list[ChatMessage] = field(default_factory=list)  # assistant turns as served, in order
+    link: ChainLink | None = None  # the last recorded event: the next delta's parent
 
 
 @dataclass
@@ -172,8 +181,9 @@ class BranchStore:
 
     def record(self, branch: Branch, request: NormalizedRequest, sequence: int, prompt: list[int],
                sampled: list[int], served: ChatMessage, finish_reason: str | None, *, closed: bool,
-               retry: bool) -> None:
-        """The call's turn is done: the branch now stands for its messages + the served assistant turn."""
+               retry: bool, link: ChainLink | None = None) -> None:
+        """The call's turn is done: the branch now stands for its messages + the served assistant turn
+        (``link``: the call's recorded event, the parent of the branch's next delta)."""
         if retry and branch.spans and branch.spans[-1].sequence == branch.last_sequence:
             branch.spans.pop()
             branch.served.pop()
@@ -187,6 +197,7 @@ class BranchStore:
         branch.last_sequence = sequence
         branch.finish_reason = finish_reason
         branch.closed = closed and bool(sampled)
+        branch.link = link
         # Most recently used last; a branch evicted while its call was in flight (the session opened
         # MAX_BRANCHES others meanwhile) comes back, since its call was the latest to end.
         self._branches[branch.branch_id] = branch

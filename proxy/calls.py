@@ -11,6 +11,14 @@ reach the engine).
 Every call passes the policy gate (:meth:`proxy.policy.Policy.admit`) before its first engine request and
 leaves it when the engine is done with it, so that a weight update can hold new calls and drain running
 ones; the event carries the policy version the call was sampled under.
+
+Prompt deltas (:mod:`schemas.prompt_chain`): the event of a call that continues its branch exactly
+(``continuation.mode`` exact, the branch's last event known) is written as a delta against that event;
+every other call's event is a keyframe (a branch's first call, a rendered call, a failed call, every
+:data:`~schemas.prompt_chain.KEYFRAME_EVERY`-th event of a chain, a prompt grown past
+:data:`~schemas.prompt_chain.KEYFRAME_GROWTH` times its chain's keyframe, a delta that would not be smaller).
+The branch remembers the event only once the broker has it, so a failed or unrecorded call never becomes
+a parent.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from proxy.session_registry import LiveSession
 from proxy.token_api import TokenApi, TokenApiMissing
 from schemas.completions import ChatMessage, Continuation, NormalizedRequest
 from schemas.envelope import utcnow
+from schemas.prompt_chain import KEYFRAME_EVERY, KEYFRAME_GROWTH, ChainLink, delta_against, next_link
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +74,7 @@ class CallService:
         self.recorder = recorder
         self.metrics = metrics
         self.upstream_stream = upstream_stream
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def record_failure(self, ctx: CallContext, request: NormalizedRequest, error: ProxyError,
                              turn: EngineTurn | None = None) -> None:
@@ -89,9 +98,16 @@ class CallService:
             return
         self.metrics.event("error")
 
-    async def _record_turn(self, ctx: CallContext, request: NormalizedRequest, turn: EngineTurn) -> None:
+    async def _record_turn(self, ctx: CallContext, request: NormalizedRequest, turn: EngineTurn,
+                           parent: ChainLink | None = None) -> ChainLink:
+        """Record a served call (as a delta against ``parent`` where that is smaller) and return its link,
+        the parent of its branch's next call."""
         _check_turn(turn)
-        await self.recorder.record_completion(completion_event(ctx, request, turn))
+        full = completion_event(ctx, request, turn)
+        written = full if parent is None else \
+            delta_against(full, parent, keyframe_every=KEYFRAME_EVERY, keyframe_growth=KEYFRAME_GROWTH)
+        await self.recorder.record_completion(written)
+        return next_link(full, written, parent)
 
     async def _admit(self, ctx: CallContext, session: LiveSession) -> Admission:
         """Pass the policy gate (held while a weight update runs, or until the engine serves the session's
@@ -116,6 +132,7 @@ class CallService:
         request = effective_request(request, session.spec.engine)
         turn: EngineTurn | None = None
         admission: Admission | None = None
+        link: ChainLink | None = None
         try:
             await self.recorder.ensure_ready()
             admission = await self._admit(ctx, session)
@@ -130,7 +147,7 @@ class CallService:
                 ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
             admission.leave()  # the engine is done: recording must not hold up a weight update's drain
             ctx.first_token_at = utcnow()
-            await self._record_turn(ctx, request, turn)
+            link = await self._record_turn(ctx, request, turn, _delta_parent(placement, ctx.continuation))
         except Exception as exc:
             if admission is not None:
                 admission.leave()
@@ -140,7 +157,7 @@ class CallService:
         finally:
             if admission is not None:
                 admission.leave()  # cancelled
-        _remember(session, placement, request, ctx.sequence, turn, harness_request)
+        _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
         self.metrics.event("ok")
         self.metrics.continuation(ctx.api, ctx.continuation)
         return turn
@@ -228,6 +245,7 @@ class CallService:
                 yield chunk
             return
         assembler = TurnAssembler()
+        link: ChainLink | None = None
         outcome = "aborted"
         started = False  # once a chunk is out, errors can only be told in the stream itself
         admission: Admission | None = None
@@ -257,7 +275,7 @@ class CallService:
             recording.add_done_callback(self._background.discard)
             recording.add_done_callback(_retrieved)
             outcome = "recording"
-            await asyncio.shield(recording)
+            link = await asyncio.shield(recording)
             outcome = "recorded"
         except Exception as exc:
             outcome = "failed"
@@ -278,7 +296,7 @@ class CallService:
                 # its own, since this one may not await anything any more.
                 error = ClientDisconnected("the client closed the stream before it ended")
                 self._detach(self.record_failure(ctx, request, error, assembler.turn()))
-        _remember(session, placement, request, ctx.sequence, turn, harness_request)
+        _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
         self.metrics.event("ok")
         self.metrics.continuation(ctx.api, ctx.continuation)
         for chunk in renderer.stream_finish(turn):
@@ -320,9 +338,18 @@ def _rendered_continuation(placement: Placement, session: LiveSession, fallback:
                         retry_of_sequence=branch.last_sequence if placement.kind == "retry" and branch else None)
 
 
+def _delta_parent(placement: Placement, continuation: Continuation | None) -> ChainLink | None:
+    """The event a call's event may be written as a delta against: its branch's last recorded event, when
+    the call continues (or retries) that branch exactly."""
+    if continuation is None or continuation.mode != "exact" or placement.kind == "open" or placement.branch is None:
+        return None
+    return placement.branch.link
+
+
 def _remember(session: LiveSession, placement: Placement, request: NormalizedRequest, sequence: int,
-              turn: EngineTurn, harness_request: NormalizedRequest) -> None:
-    """The recorded turn becomes its branch's new end (a new branch for an ``open`` placement)."""
+              turn: EngineTurn, harness_request: NormalizedRequest, link: ChainLink | None) -> None:
+    """The recorded turn becomes its branch's new end (a new branch for an ``open`` placement); ``link`` is
+    its recorded event."""
     store = session.branches
     branch = placement.branch if placement.kind != "open" else None
     if branch is None:
@@ -333,7 +360,7 @@ def _remember(session: LiveSession, placement: Placement, request: NormalizedReq
     served = ChatMessage(role="assistant", content=turn.content, reasoning=turn.reasoning,
                          tool_calls=turn.tool_calls)
     store.record(branch, request, sequence, turn.prompt_token_ids, turn.token_ids, served, turn.finish_reason,
-                 closed=turn.ended_by_eos, retry=placement.kind == "retry")
+                 closed=turn.ended_by_eos, retry=placement.kind == "retry", link=link)
 
 
 def _check_turn(turn: EngineTurn) -> None:

@@ -11,6 +11,10 @@ What a refused call's event holds: ``status: error`` with ``error.kind``/``messa
 ``request.messages`` empty when the body could not be read or parsed (too large, wrong media type, not
 JSON, nested too deep, invalid for the API); ``request_digest`` the sha256 of the body as received, or
 None when it was never read (over the size limit, wrong media type); no token ids.
+
+A served call's event may be a prompt delta against its branch's previous event (``proxy/calls.py``,
+:mod:`schemas.prompt_chain`); a failed call's event is always a keyframe (built here, never delta-encoded),
+so a call that failed never becomes a parent.
 """
 
 from __future__ import annotations
@@ -77,13 +81,18 @@ def slimmed(event: Completion, reason: UnrecordableEvent) -> Completion:
     """A failed-call event that fits where ``event`` did not: the request and body dropped, tokens kept.
 
     A call that had already failed keeps its own error (the note says what was dropped); a served call
-    becomes a failed one with ``reason``."""
+    becomes a failed one with ``reason``. A delta stays a delta for its tokens but takes no messages or
+    tools from its parent: it resolves, like a slimmed keyframe, to the full prompt and no request."""
     error = reason.call_error()
     if event.error is not None:
         error = event.error.model_copy(update={"message": f"{event.error.message} [request not recorded: "
                                                           f"{reason.message}]"})
+    delta = event.prompt_delta
+    if delta is not None:
+        delta = delta.model_copy(update={"messages_prefix": 0, "tools_inherited": False})
     return event.model_copy(update={
         "request": EMPTY_REQUEST, "request_body": None, "status": "error", "error": error, "message": None,
+        "prompt_delta": delta,
     })
 
 

@@ -2,7 +2,8 @@
 
 A record value is the event's JSON (UTF-8, compact). Two headers repeat the envelope's ``event_type`` and
 ``schema_version`` so that a consumer can route or skip a record without parsing it. Decoding checks,
-in order: valid JSON object, a known event type, a supported schema version, the model's validation, and
+in order: valid JSON object, a known event type, a supported schema version (any the model reads,
+:mod:`schemas.versions`), the model's validation, and
 (when the topic is given) that the type belongs on that topic. Each failure is an
 :class:`EventDecodeError` with a short ``error_type`` the dead-letter event records.
 """
@@ -25,6 +26,7 @@ from schemas.sessions import SessionEnded, SessionSpec, SessionStageChanged
 from schemas.tasks import TaskAccepted
 from schemas.topics import TopicSpec
 from schemas.trajectories import Trajectory
+from schemas.versions import supported_versions
 
 EVENT_MODELS: tuple[type[Event], ...] = (
     TaskAccepted, SessionSpec, SessionStageChanged, SessionEnded, Completion, Evaluation, Trajectory,
@@ -85,10 +87,6 @@ def encode_record(event: Event, source: str) -> EncodedRecord:
     return EncodedRecord(stamped, stamped.key(), encode_event(stamped), event_headers(stamped))
 
 
-def _supported_version(model: type[Event]) -> int:
-    return int(model.model_fields["schema_version"].default)
-
-
 def check_envelope(value: bytes | None, topic: TopicSpec | None = None) -> tuple[dict[str, Any], type[Event]]:
     """The record's JSON document and its event model, after the envelope checks (JSON object, known
     event type, supported schema version, right topic) but before validating the body; raises
@@ -106,10 +104,11 @@ def check_envelope(value: bytes | None, topic: TopicSpec | None = None) -> tuple
     if model is None:
         raise EventDecodeError("unknown_event_type", f"event_type {event_type!r} is not one of {sorted(EVENT_TYPES)}")
     version = document.get("schema_version")
-    if version != _supported_version(model):
+    versions = supported_versions(model)
+    if not isinstance(version, int) or version not in versions:
         raise EventDecodeError("unsupported_schema_version",
                                f"{event_type} schema_version {version!r}; this consumer reads "
-                               f"version {_supported_version(model)}")
+                               f"version {' or '.join(map(str, sorted(versions)))} (see schemas/versions.py)")
     if topic is not None and event_type not in topic.event_types:
         raise EventDecodeError("wrong_topic", f"{event_type} does not belong on {topic.name}")
     return document, model

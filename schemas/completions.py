@@ -3,7 +3,22 @@
 The request is recorded in one internal chat form, whatever provider API the harness spoke (the proxy
 normalizes into it). Token ids and logprobs are the engine's own, never re-tokenized from text, and are
 stored as packed arrays (see schemas/arrays.py).
+
+Schema versions (how they are introduced and retired: schemas/versions.py):
+
+- **1**: every event carries its whole prompt: all ``prompt_token_ids`` and every ``request.messages``.
+- **2** (written now): an event may be a **delta** (``prompt_delta`` set) against an earlier completion of
+  the same session, its parent. Then ``prompt_token_ids`` holds only the tokens after the first
+  ``prompt_delta.prefix_tokens`` of the parent's prompt + sampled ids, and ``request.messages`` only the
+  messages after the first ``prompt_delta.messages_prefix`` of the parent's (resolved) messages.
+  ``request.tools`` is inherited from the parent when ``prompt_delta.tools_inherited`` (the delta's own list
+  is then empty); the request's other fields (``tool_choice``, ``sampling``, ``stream``,
+  ``reasoning_effort``, ``chat_template_kwargs``) and everything outside ``request`` are always the event's
+  own, written whole. A keyframe (``prompt_delta`` None) is a full event as in version 1; a v1 event is a
+  keyframe. :func:`schemas.prompt_chain.resolve_session` and :class:`schemas.prompt_chain.PromptChains`
+  turn deltas back into full events; every consumer reads prompts through them.
 """
+
 
 from __future__ import annotations
 
@@ -166,6 +181,24 @@ class Continuation(Model):
     drift: Drift | None = None
 
 
+class PromptDelta(Model):
+    """What a delta event takes from its parent (see the module docstring): the full prompt is the parent's
+    ``(prompt_token_ids + token_ids)[:prefix_tokens]`` + this event's ``prompt_token_ids``; the full
+    messages are the parent's ``request.messages[:messages_prefix]`` + this event's ``request.messages``."""
+
+    parent_event_id: str = Field(min_length=1, max_length=128, description=(
+        "The parent completion's event id: an event of the same session written before this one (same key, "
+        "so earlier in the same partition). Usually an earlier call; a call that ran beside its parent's "
+        "may name one with a higher sequence."))
+    parent_sequence: int = Field(ge=0, description="The parent's sequence (a check on the reference).")
+    prefix_tokens: int = Field(ge=0, description="Tokens taken from the parent's prompt + sampled ids.")
+    messages_prefix: int = Field(ge=0, description="Messages taken from the parent's request.messages.")
+    tools_inherited: bool = Field(default=False, description=(
+        "request.tools is the parent's (equal as JSON); this event's own list is empty."))
+    prompt_tokens: int = Field(ge=0, description=(
+        "Length of the resolved prompt: prefix_tokens + len(prompt_token_ids), checked on resolution."))
+
+
 class Completion(Event):
     """One model call: who made it, what was asked, and the engine's exact tokens and logprobs."""
 
@@ -173,7 +206,7 @@ class Completion(Event):
     key_field: ClassVar[str] = "session_id"
 
     event_type: Literal["completion"] = "completion"
-    schema_version: Literal[1] = 1
+    schema_version: Literal[1, 2] = 2
     session_id: str = Field(min_length=1)
     task_id: str | None = None
     sequence: int = Field(ge=0, description="Per-session call number, in the order the proxy received them.")
@@ -204,6 +237,9 @@ class Completion(Event):
         "None for calls recorded before the proxy built prompts itself, and for refused calls."))
     weight_versions: list[dict[str, Any]] | None = Field(default=None, description=(
         "The engine's weight version spans over the sampled tokens, when the engine reports them."))
+    prompt_delta: PromptDelta | None = Field(default=None, description=(
+        "Version 2: set on a delta event (prompt_token_ids and request.messages hold only what is new; "
+        "resolve with schemas.prompt_chain), None on a keyframe."))
 
     @model_validator(mode="after")
     def _consistent(self) -> Completion:
@@ -211,4 +247,17 @@ class Completion(Event):
             raise ValueError("logprobs must have one value per sampled token id")
         if self.status == "error" and self.error is None:
             raise ValueError("a failed completion must say why (error)")
+        delta = self.prompt_delta
+        if delta is not None:
+            if self.schema_version < 2:
+                raise ValueError("prompt_delta needs schema_version 2")
+            if self.prompt_token_ids is None:
+                raise ValueError("a delta completion carries its new prompt tokens (prompt_token_ids, maybe empty)")
+            if delta.prompt_tokens != delta.prefix_tokens + len(self.prompt_token_ids):
+                raise ValueError(f"prompt_delta.prompt_tokens {delta.prompt_tokens} is not prefix_tokens "
+                                 f"{delta.prefix_tokens} + {len(self.prompt_token_ids)} new tokens")
+            if delta.parent_event_id == self.event_id:
+                raise ValueError("a delta cannot be its own parent")
+            if delta.tools_inherited and self.request.tools:
+                raise ValueError("a delta that inherits its tools carries none of its own")
         return self

@@ -29,6 +29,13 @@ are counted apart (``evaluation_errors``), not as attempts. A session evaluated 
 is decided (not accepted, "no trajectory") only at :meth:`SftStore.finish`, when a replay has read the
 whole log; an accepted trace whose last completion is not in the log is counted in
 ``rows_without_messages`` and not written.
+
+Completions may be prompt deltas (schema version 2): each is resolved through
+:class:`schemas.prompt_chain.PromptChains` as it is read (partitions in order, parents first), so a
+conversation always holds the whole request. One whose parent cannot be had (retention, a damaged
+record, a replay started mid-log) is counted in ``completions_missing_parent`` and keeps no conversation:
+a row that needs it stays in ``rows_without_messages``, never written from half a conversation. The store
+reads beside the worker and dead-letters nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import Any
 from schemas.completions import Completion, ToolCall
 from schemas.envelope import Event
 from schemas.evaluations import Evaluation
+from schemas.prompt_chain import DEFAULT_CACHE_BYTES, MissingPromptParent, PromptChains
 from schemas.trajectories import Trace, Trajectory
 from sinks.roles import sft_roles_from_env
 
@@ -143,11 +151,14 @@ class SftStore:
     """Joins completions, trajectories and evaluations into the SFT files of one output directory."""
 
     def __init__(self, out_dir: Path, criteria: SftCriteria,
-                 message_cache_bytes: int = DEFAULT_MESSAGE_CACHE_BYTES) -> None:
+                 message_cache_bytes: int = DEFAULT_MESSAGE_CACHE_BYTES,
+                 prompt_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.criteria = criteria
         self._conversations = _Conversations(message_cache_bytes)
+        self._chains = PromptChains(prompt_cache_bytes)
+        self.completions_missing_parent: dict[str, str] = {}  # completion id -> why its prompt is unresolved
         self._trajectories: dict[str, list[Trajectory]] = defaultdict(list)
         self._evaluations: dict[str, list[Evaluation]] = defaultdict(list)
         self._row_ids = self._read_keys(ROWS_FILE, lambda d: d["id"])
@@ -182,7 +193,14 @@ class SftStore:
     def take(self, event: Event) -> None:
         """Take one event of `completions`, `trajectories` or `evaluations` (others are ignored)."""
         if isinstance(event, Completion):
-            self._conversations.add(event)
+            try:
+                full = self._chains.resolve(event)
+            except MissingPromptParent as exc:
+                self.completions_missing_parent[event.event_id] = exc.reason
+                logger.warning("completion %s (session %s, sequence %d) has no conversation: %s", event.event_id,
+                               event.session_id, event.sequence, exc.reason)
+                return
+            self._conversations.add(full)
             return
         if isinstance(event, Trajectory):
             self._trajectories[event.session_id].append(event)
@@ -304,6 +322,7 @@ class SftStore:
             "roles": sorted(self.criteria.roles),
             "attempted": total[0], "accepted": total[1], "acceptance_rate": rate(total[1], total[0]),
             "rows": len(self._row_ids), "rows_without_messages": len(self.rows_without_messages),
+            "completions_missing_parent": len(self.completions_missing_parent),
             "rows_skipped_by_role": dict(sorted(skipped_by_role.items())),
             "evaluation_errors": self.evaluation_errors,
             "by_evaluator": {k: {"attempted": a, "accepted": c, "acceptance_rate": rate(c, a)}

@@ -10,6 +10,11 @@ completions its traces hold: each one's ``policy_version`` and the versions of i
 spans (a call that straddled a weight update), read with :func:`schemas.policy.version_number`; None when
 none of them is a version number (labels such as ``step-3``, or events recorded before the proxy filled
 it). The session's claimed ``policy_version`` string is kept apart, as it was.
+
+Builders take full prompts only: a completion that is still a prompt delta (schema version 2,
+``prompt_delta`` set) is refused with :class:`UnresolvedPromptDelta`, never built from its new tokens alone.
+Callers resolve a session's completions with :func:`schemas.prompt_chain.resolve_session` first (and
+dead-letter or count the ones whose parent is missing).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from schemas.arrays import Logprobs, LossMask, TokenIds
 from schemas.completions import Completion
 from schemas.envelope import utcnow
 from schemas.policy import PolicyRange, version_number
+from schemas.prompt_chain import is_delta
 from schemas.sessions import FailureKind, SessionStatus
 from schemas.tasks import BuilderName
 from schemas.trajectories import Trace, Trajectory, TrajectoryStats
@@ -45,6 +51,10 @@ class SessionFacts:
 
 
 Builder = Callable[[Iterable[Completion], SessionFacts], Trajectory]
+
+
+class UnresolvedPromptDelta(ValueError):
+    """A builder was given a completion whose prompt is a delta: resolve the session's prompts first."""
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +99,12 @@ def prepare(completions: Iterable[Completion], facts: SessionFacts) -> Session:
     events: list[Completion] = []
     seen: set[str] = set()
     for event in ordered:
+        if is_delta(event):
+            assert event.prompt_delta is not None
+            raise UnresolvedPromptDelta(
+                f"completion {event.event_id} (sequence {event.sequence}) of session {event.session_id!r} is a "
+                f"prompt delta against {event.prompt_delta.parent_event_id}: resolve the session with "
+                "schemas.prompt_chain.resolve_session before building (a delta's prompt alone is not its prompt)")
         if event.event_id not in seen:
             seen.add(event.event_id)
             events.append(event)

@@ -3,7 +3,9 @@
 Completion payloads are not copied into tables (issue 5: a table write re-sends its value to the
 changelog); these tests pin what replaces them: the session's one small value holding the log offsets of
 its completions, the bytes from the cache, and the log read back by offset when the cache misses (after a
-restart), with the same trajectory; and a batch of records costs one table write per session.
+restart), with the same trajectory; and a batch of records costs one table write per session. Issue 16:
+prompt deltas are resolved before the build (the same trajectory as from full events, v1 and v2 mixed),
+and a call whose parent is missing is dead-lettered with the calls resting on it, never built.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from processors.payloads import PayloadCache
 from processors.progress import InputProgress
 from processors.open_sessions import CallRef, OpenSession
 from schemas.codec import encode_event
+from schemas.dead_letter import DeadLetter
+from schemas.prompt_chain import is_delta, write_session
 from schemas.topics import Topic, TopicRegistry
 from schemas.trajectories import Trajectory
 from tests.processors.test_worker import expected
-from tests.processors.worker_process import linear_session
+from tests.processors.worker_process import SessionPlan, linear_session
 
 REGISTRY = TopicRegistry("u.", 4, 2)
 CONTROL = "u.processors-control"
@@ -252,3 +256,85 @@ def test_a_partition_ending_in_transaction_markers_counts_as_drained_once_quiet(
     assert progress.read_up_to(["c"], 0, ts=9.0, now=101.0, highwater=ends)
     progress.saw("d", 0, 41, timestamp=5.0, now=100.0)  # 18 records still to read: lagging, not markers
     assert not progress.read_up_to(["d"], 0, ts=9.0, now=500.0, highwater=ends)
+
+
+# -- prompt deltas (issue 16) ----------------------------------------------------------------------------
+
+def _delta_plan(plan: SessionPlan) -> SessionPlan:
+    """The session as the proxy writes it now: the first call a keyframe, each later one a delta."""
+    written = write_session(plan.completions)
+    assert not is_delta(written[0]) and all(is_delta(c) for c in written[1:])
+    return SessionPlan(plan.spec, written, plan.end)
+
+
+def _traces(trajectory: Trajectory) -> list[dict]:
+    return [t.model_dump(mode="json") for t in trajectory.traces]
+
+
+async def test_delta_sessions_build_what_full_ones_build() -> None:
+    """Deltas resolved in the worker give the trajectory of the full events (id, traces, stats), from the
+    cache and from the log read back alike; a v1 keyframe followed by v2 deltas (a log spanning the
+    upgrade) too."""
+    plan = linear_session("d2", turns=5, seed=41)
+    delta = _delta_plan(plan)
+    first = delta.completions[0]
+    mixed = SessionPlan(plan.spec, [first.model_copy(update={"schema_version": 1}), *delta.completions[1:]], plan.end)
+    want = expected(plan)
+    for sent, cache_bytes in ((delta, 512 << 20), (delta, 0), (mixed, 512 << 20)):
+        kafka = FakeKafka()
+        aggregator = _aggregator(_tables(), kafka, cache_bytes=cache_bytes)
+        for record in _records(sent, kafka):
+            await aggregator.handle(record)
+        (got,) = kafka.trajectories
+        assert got.event_id == want.event_id and _traces(got) == _traces(want) and got.stats == want.stats
+        assert aggregator.counters["unresolved"] == 0 and aggregator.counters["dead_lettered"] == 0
+
+
+async def test_a_delta_whose_parent_is_gone_is_dead_lettered_never_built() -> None:
+    """The second call is gone from the log (retention): it and the calls whose prompts rest on it are
+    dead-lettered as missing_prompt_parent and left out; the trajectory holds the first call only, exactly
+    as built from it alone, and names the left-out calls in its problems."""
+    plan = linear_session("d3", turns=4, seed=42)
+    kafka, letters = FakeKafka(), []
+    aggregator = _aggregator(_tables(), kafka, cache_bytes=0)  # every payload read back from the log
+
+    async def send_dead_letter(letter: DeadLetter) -> None:
+        letters.append(letter)
+
+    aggregator.out.send_dead_letter = send_dead_letter
+    records = _records(_delta_plan(plan), kafka)
+    del kafka.log[1, 1]
+    for record in records:
+        await aggregator.handle(record)
+    (got,) = kafka.trajectories
+    alone = expected(SessionPlan(plan.spec, plan.completions[:1], plan.end))
+    assert got.event_id == alone.event_id and _traces(got) == _traces(alone)
+    assert [(d.offset, d.error_type) for d in letters] == [(2, "missing_prompt_parent"), (3, "missing_prompt_parent")]
+    assert plan.completions[1].event_id in letters[0].reason
+    left_out = [p for p in got.stats.problems if "left out" in p]
+    assert len(left_out) == 2 and plan.completions[2].event_id in left_out[0]
+    assert aggregator.counters["lost"] == 1 and aggregator.counters["unresolved"] == 2
+
+
+async def test_a_corrupted_delta_is_dead_lettered_with_its_children() -> None:
+    """A delta naming a parent the session never had (a corrupted reference) breaks its chain from there."""
+    plan = linear_session("d4", turns=4, seed=43)
+    delta = _delta_plan(plan)
+    broken = delta.completions[2]
+    assert broken.prompt_delta is not None
+    delta.completions[2] = broken.model_copy(update={
+        "prompt_delta": broken.prompt_delta.model_copy(update={"parent_event_id": "no-such-event"})})
+    kafka, letters = FakeKafka(), []
+    aggregator = _aggregator(_tables(), kafka)
+
+    async def send_dead_letter(letter: DeadLetter) -> None:
+        letters.append(letter)
+
+    aggregator.out.send_dead_letter = send_dead_letter
+    for record in _records(delta, kafka):
+        await aggregator.handle(record)
+    (got,) = kafka.trajectories
+    alone = expected(SessionPlan(plan.spec, plan.completions[:2], plan.end))
+    assert got.event_id == alone.event_id and _traces(got) == _traces(alone)
+    assert [d.offset for d in letters] == [2, 3] and {d.error_type for d in letters} == {"missing_prompt_parent"}
+    assert "no-such-event" in letters[0].reason and "no-such-event" in letters[1].reason

@@ -24,6 +24,7 @@ from producers.adapters.base import AdapterError, HarnessContext
 from producers.adapters.command import render_command
 from producers.runtimes.local import LocalHandle, LocalRuntime
 from schemas.completions import ChatMessage, Completion
+from schemas.prompt_chain import resolve_session
 from schemas.tasks import RuntimeSpec
 from schemas.topics import Topic
 from schemas.transport import EventConsumer
@@ -75,7 +76,7 @@ async def session_completions(proxy: ProxyUnderTest, session_id: str, timeout_s:
                     if record.event.session_id == session_id:
                         found[record.event.sequence] = record.event
         await asyncio.wait_for(collect(), timeout_s)
-    return [found[k] for k in sorted(found)]
+    return resolve_session([found[k] for k in sorted(found)]).resolved
 
 
 def text_of(message: ChatMessage) -> str:

@@ -13,6 +13,7 @@ from bench.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
 from proxy.settings import ProxySettings
 from schemas.completions import Completion
+from schemas.prompt_chain import resolve_session
 from schemas.topics import Topic
 from schemas.transport import EventConsumer, KafkaSettings
 from tests.servers import serve
@@ -34,8 +35,9 @@ class ProxyUnderTest:
         assert response.status_code == 201, response.text
         return response.json()
 
-    async def completions(self, want: int, timeout_s: float = 20.0) -> list[Completion]:
-        """The completion events on this proxy's topic, waiting until ``want`` are there."""
+    async def completions(self, want: int, timeout_s: float = 20.0, *, raw: bool = False) -> list[Completion]:
+        """The completion events on this proxy's topic, waiting until ``want`` are there, with their prompts
+        resolved (``raw``: as written, prompt deltas left as they are)."""
         got: list[Completion] = []
         async with EventConsumer(self.kafka, [Topic.COMPLETIONS], group_id=None, dead_letters=False) as consumer:
             async def loop() -> None:
@@ -43,6 +45,10 @@ class ProxyUnderTest:
                     got.extend(r.event for r in await consumer.getmany(timeout_ms=300))
             await asyncio.wait_for(loop(), timeout_s)
             got.extend(r.event for r in await consumer.getmany(timeout_ms=300))
+        if not raw:
+            chain = resolve_session(got)
+            assert not chain.missing, [m.reason for m in chain.missing]
+            got = chain.resolved
         return sorted(got, key=lambda e: (e.session_id, e.sequence))
 
 

@@ -37,7 +37,9 @@ def test_arrays_are_not_json_number_lists() -> None:
 
 def test_headers_name_type_and_version() -> None:
     assert dict(event_headers(completion())) == {"rollwire-event-type": b"completion",
-                                                 "rollwire-schema-version": b"1"}
+                                                 "rollwire-schema-version": b"2"}
+    v1 = completion().model_copy(update={"schema_version": 1})
+    assert dict(event_headers(v1))["rollwire-schema-version"] == b"1"
 
 
 @pytest.mark.parametrize("event", every_event(), ids=lambda e: e.event_type)
