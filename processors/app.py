@@ -110,8 +110,19 @@ def highwater(topic: str, partition: int) -> int | None:
         return None
 
 
+def read_from(topic: str, partition: int) -> int | None:
+    """The group's committed offset of (topic, partition), where the consumer was seeked at the last
+    assignment (Faust keeps it current as it commits); None if there is none or it is not known."""
+    try:
+        offset = getattr(app.consumer, "_committed_offset", {}).get(TP(topic, partition))
+    except Exception:  # no consumer yet
+        return None
+    return offset if isinstance(offset, int) else None
+
+
 aggregator = SessionAggregator(
-    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read), registry,
+    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read, read_from),
+    registry,
     control_topic=control_topic(kafka, conf.app_id), group=app.conf.id, idle_s=conf.idle_s,
     grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes,
     cache_bytes=conf.cache_mb * 1024 * 1024)
@@ -121,6 +132,10 @@ aggregator = SessionAggregator(
 unflushed: list[faust.EventT] = []
 # How many times partitions were revoked or assigned (a batch handled across one is dropped, see sessions).
 assignments = [0]
+# Assigned, tables not recovered yet (set by _assigned, cleared when Faust says recovery is complete).
+# Faust's own signs are not enough: its ``completed`` event is never cleared after the first recovery, and
+# a recovery finishing while the next rebalance starts sets ``app.rebalancing`` back to False.
+recovering = [False]
 
 
 async def flush() -> None:
@@ -151,8 +166,14 @@ async def flush() -> None:
         return True
 
     generation = assignments[0]
+    # A write of a partition still ours with no unflushed record here was staged by the record the agent
+    # is handling right now (this flush runs on the timer while the agent awaits a send or a log read):
+    # it stays pending for the flush that acknowledges that record. Dropped, the record would be
+    # acknowledged without it, and after the next reassignment (which re-reads the table) the session
+    # would have lost it: seen as a trajectory missing calls after a two-worker rebalance.
+    ours = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
     try:
-        aggregator.flush(enter)
+        aggregator.flush(enter, keep=ours.__contains__)
     finally:
         _current_event.set(None)
     await app.producer.buffer.flush()
@@ -203,7 +224,7 @@ async def flush_timer() -> None:
 @app.timer(conf.tick_s)
 async def deadlines() -> None:
     """Ask the agent to build sessions that are due (ended and read up to, or past their deadline)."""
-    if app.rebalancing or not tables_recovered(app):
+    if app.rebalancing or recovering[0] or not tables_recovered(app):
         aggregator.progress.active_since = None
         return
     actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
@@ -219,8 +240,17 @@ async def _revoked(revoked: set[TP]) -> None:
 @on_partitions(app.on_partitions_assigned)
 async def _assigned(assigned: set[TP]) -> None:
     assignments[0] += 1
+    recovering[0] = True
     unflushed.clear()  # anything not flushed is read again from the committed offsets
     aggregator.reset({tp.partition for tp in assigned if tp.topic == control.get_topic_name()})
+
+
+@on_signal(app.on_rebalance_complete)
+async def _recovered() -> None:
+    # The tables hold their changelogs now: whatever was read from them before (a scan that ran while
+    # they were being read back) is read again.
+    recovering[0] = False
+    aggregator.forget_cached()
 
 
 @on_signal(app.on_before_shutdown)

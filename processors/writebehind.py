@@ -58,13 +58,17 @@ class BufferedTable:
             pass
 
 
-def flush(tables: Iterable[BufferedTable], enter_partition: Callable[[int], bool]) -> int:
+def flush(tables: Iterable[BufferedTable], enter_partition: Callable[[int], bool],
+          keep: Callable[[int], bool] | None = None) -> int:
     """Apply the pending writes of ``tables``, grouped by partition; return how many were applied.
 
     ``enter_partition(p)`` prepares writes to partition ``p`` (the Faust app makes one of that partition's
     records the current event, which is where a table write finds its store and changelog partition) and
-    returns False if ``p`` is not ours any more: those writes are dropped (their records were not
-    acknowledged, so the partition's new owner redoes them).
+    returns False if it cannot: then the writes stay pending when ``keep(p)`` (the partition is still
+    ours: they were staged by a record still being handled, which the next flush covers) and are dropped
+    otherwise (``p`` is not ours any more: their records were not acknowledged, so the partition's new
+    owner redoes them). Dropping a write of a partition still ours would lose it for good: its record is
+    acknowledged at the next flush, and only the in-memory copy (processors.aggregate) still had it.
     """
     by_partition: dict[int, list[tuple[BufferedTable, bytes, bytes | None]]] = {}
     for table in tables:
@@ -74,6 +78,9 @@ def flush(tables: Iterable[BufferedTable], enter_partition: Callable[[int], bool
     applied = 0
     for partition, writes in by_partition.items():
         if not enter_partition(partition):
+            if keep is not None and keep(partition):
+                for table, key, value in writes:
+                    table.pending.setdefault(key, (partition, value))
             continue
         for table, key, value in writes:
             table._apply(key, value)
