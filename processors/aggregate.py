@@ -259,7 +259,7 @@ class SessionAggregator:
         calls read after the build)."""
         if self.out.read_from is not None:
             for topic in self._others:
-                if (topic, partition) in self.progress._offsets:  # processed since the assignment
+                if self.progress.processed(topic, partition):  # processed since the assignment
                     continue
                 start, end = self.out.read_from(topic, partition), self.out.highwater(topic, partition)
                 # A few offsets short may be transaction markers only (see processors.progress).

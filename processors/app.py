@@ -23,7 +23,8 @@ import orjson
 from faust.streams import _current_event  # what Faust tables read a write's partition from
 from faust.types import TP, RecordMetadata, TableT
 
-from processors.aggregate import Outputs, SessionAggregator, Tables
+from processors.aggregate import Outputs, Record, SessionAggregator, Tables
+from processors.continuity import DUPLICATE, Gap, InputContinuity, RangeReader
 from processors.faust_worker import RAW, app_settings, on_partitions, on_signal, send_event, tables_recovered
 from processors.health import serve_health
 from processors.payloads import LogReader
@@ -32,6 +33,7 @@ from processors.topics import app_id, changelog_configs, control_topic
 from schemas.dead_letter import DeadLetter
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
+from schemas.transport import TransportError
 from schemas.transport.settings import KafkaSettings
 
 logger = logging.getLogger(__name__)
@@ -110,18 +112,27 @@ def highwater(topic: str, partition: int) -> int | None:
         return None
 
 
-def read_from(topic: str, partition: int) -> int | None:
-    """The group's committed offset of (topic, partition), where the consumer was seeked at the last
-    assignment (Faust keeps it current as it commits); None if there is none or it is not known."""
+INPUT_TOPICS = {registry.name(Topic.COMPLETIONS): Topic.COMPLETIONS,
+                registry.name(Topic.SESSION_EVENTS): Topic.SESSION_EVENTS,
+                registry.name(Topic.SESSIONS): Topic.SESSIONS,
+                control_topic(kafka, conf.app_id): Topic.SESSION_EVENTS}
+continuity = InputContinuity()
+range_reader = RangeReader(kafka, INPUT_TOPICS)
+
+
+async def _baseline() -> None:
+    """Ask the group's committed offsets of our input partitions (where this assignment starts reading)."""
+    assigned = [(tp.topic, tp.partition) for tp in app.assignor.assigned_actives() if tp.topic in INPUT_TOPICS]
     try:
-        offset = getattr(app.consumer, "_committed_offset", {}).get(TP(topic, partition))
-    except Exception:  # no consumer yet
-        return None
-    return offset if isinstance(offset, int) else None
+        continuity.baseline(await range_reader.committed(app.conf.id, assigned))
+    except TransportError as exc:  # go on trusting the stream; asked again at the next assignment
+        logger.error("cannot read the committed offsets: %s; skipped offsets go undetected until the next "
+                     "assignment", exc)
+        continuity.baseline({})
 
 
 aggregator = SessionAggregator(
-    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read, read_from),
+    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read, continuity.committed),
     registry,
     control_topic=control_topic(kafka, conf.app_id), group=app.conf.id, idle_s=conf.idle_s,
     grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes,
@@ -195,6 +206,10 @@ async def sessions(stream: faust.StreamT) -> None:
     table writes it caused are flushed and on the broker, every ``batch_records`` records or
     ``batch_ms``, whichever comes first. A session's state is written once per flush however many of
     its records came in.
+
+    Each partition is handled from the group's committed offset without holes or repeats
+    (processors.continuity): a record handed out again is skipped, records the stream skipped are read
+    back from the log and handled first, and nothing is handled while the tables are being recovered.
     """
     assert isinstance(stream, faust.Stream)  # declared as StreamT, which has no noack()
     async for event in stream.noack().events():
@@ -203,12 +218,36 @@ async def sessions(stream: faust.StreamT) -> None:
             unflushed.append(event)
             continue
         generation = assignments[0]
-        await aggregator.handle_batch((event.message,))
+        message = event.message
+        if recovering[0]:
+            continue  # its state is not recovered yet: read back after recovery (processors.continuity)
+        if not continuity.baselined:
+            await _baseline()
+            if assignments[0] != generation:
+                continue
+        verdict = continuity.admit(message.topic, message.partition, message.offset)
+        if verdict == DUPLICATE:
+            unflushed.append(event)  # handled already (or before the committed offset): acknowledge only
+            continue
+        records: list[Record] = [message]
+        if isinstance(verdict, Gap):
+            try:
+                records = [*await range_reader.read(verdict), message]
+            except TransportError as exc:
+                logger.error("offsets %s-%s of %s[%s] were skipped by the stream and cannot be read back: %s",
+                             verdict.start, verdict.end - 1, verdict.topic, verdict.partition, exc)
+                continue  # not acknowledged: the partition's next owner (or this one after a restart) reads it
+            if assignments[0] != generation:
+                continue
+            logger.warning("offsets %s-%s of %s[%s] were not handed out by the stream; read back %d records",
+                           verdict.start, verdict.end - 1, verdict.topic, verdict.partition, len(records) - 1)
+        await aggregator.handle_batch(records)
         if assignments[0] != generation:
             # The partitions were reassigned while the record awaited a send: it is read again from the
             # committed offsets by its partition's owner; what it staged is dropped, never acknowledged.
             aggregator.reset(None)
             continue
+        continuity.handled(message.topic, message.partition, message.offset)
         # Only now: the flush timer (which may run while the record awaits a send) acknowledges it.
         unflushed.append(event)
         if len(unflushed) >= conf.batch_records:
@@ -235,12 +274,14 @@ async def deadlines() -> None:
 async def _revoked(revoked: set[TP]) -> None:
     assignments[0] += 1
     await flush()  # still ours: write what was done and acknowledge it before the offsets are committed
+    recovering[0] = True  # until the next assignment's tables are recovered, records are not handled
 
 
 @on_partitions(app.on_partitions_assigned)
 async def _assigned(assigned: set[TP]) -> None:
     assignments[0] += 1
     recovering[0] = True
+    continuity.reset()
     unflushed.clear()  # anything not flushed is read again from the committed offsets
     aggregator.reset({tp.partition for tp in assigned if tp.topic == control.get_topic_name()})
 
@@ -258,10 +299,12 @@ async def _stopping() -> None:
     # No flush here: Faust has left the group and closed the tables by now. What was acknowledged is on
     # the broker (see flush); the rest is read again by the partitions' next owner.
     await log_reader.stop()
+    await range_reader.stop()
 
 
 @app.task
 async def health() -> None:
     """``GET /health`` on ROLLWIRE_PROCESSORS_HOST:PORT: 200 once tables are recovered, else 503."""
     await serve_health(app, conf.host, conf.port,
-                       lambda: {**aggregator.counters, "open_in_flight": len(aggregator.in_flight)})
+                       lambda: {**aggregator.counters, **continuity.counters,
+                                                   "open_in_flight": len(aggregator.in_flight)})

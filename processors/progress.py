@@ -46,6 +46,10 @@ class InputProgress:
         if timestamp > self._watermarks.get(tp, 0.0):
             self._watermarks[tp] = timestamp
 
+    def processed(self, topic: str, partition: int) -> bool:
+        """Whether a record of ``topic``/``partition`` was processed since the last reset."""
+        return (topic, partition) in self._offsets
+
     def read_up_to(self, topics: Iterable[str], partition: int, ts: float, now: float,
                    highwater: Callable[[str, int], int | None]) -> bool:
         """True if every topic's ``partition`` has been read past ``ts`` or to its end."""

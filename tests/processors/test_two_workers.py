@@ -1,11 +1,5 @@
 """Two trajectory workers in one consumer group, the partitions shared, a rebalance in the middle of the stream.
 
-NOT in the suite (the file name keeps pytest's collection away from it): it is the open reproducer of issue
-16 item 3. About half of its runs still find one session whose trajectory holds only its first call, with no
-dead letter (the earlier calls' offsets are missing from the new owner's state after the stop). Run it by
-name: ``.venv/bin/python -m pytest tests/processors/two_workers_check.py``; when it passes reliably, rename it
-back to ``test_two_workers.py``.
-
 Issue 16 item 3. Real broker, real worker processes (``python -m deploy.cli processors``), one app id (one
 consumer group, one set of changelogs). Sessions stream in waves; a second worker joins while they flow
 (the partitions are split between the two), later the first is stopped (its partitions move to the
@@ -20,6 +14,10 @@ second), and the stream goes on. Then:
   the typed consumer, the groups worker by session, the SFT store by ``<trajectory id>:<trace id>``),
   so it is allowed, counted and printed, never two different trajectories;
 - both workers did work: the partitions were shared, then moved.
+
+Around a rebalance Faust's stream skips records (flow-control queues cleared on resume, the fetch position
+already past them) and hands others out twice; before processors.continuity read the skipped ones back
+from the log, about half of the runs built a session without some of its calls.
 
 The completions are written as the proxy writes them: each continuing call a prompt delta on its parent
 (schemas.prompt_chain), so a chain whose parent was read by one worker and whose child by the other is
