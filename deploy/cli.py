@@ -1,9 +1,10 @@
 """The `rollwire` command: gathers the subcommands each package defines and manages the local stack.
 
-``rollwire up`` brings up, in order: the project's Apache Kafka (KRaft, one node) and its topics, the
+``rollwire up`` brings up, in order: the project's Apache Kafka (KRaft, one node; ``--brokers 3``: a
+three-node cluster on this machine, topics replicated three times with two in sync) and its topics, the
 embedded engine (the real vLLM CPU build over the tiny local model) unless ``ROLLWIRE_ENGINE_URL`` names
-another engine, the gateway proxy, and a trajectory worker (processors). ``rollwire down`` stops them;
-``rollwire status`` reports them.
+another engine, the gateway proxy, a trajectory worker (processors) and the web page (``rollwire ui``).
+``rollwire down`` stops them; ``rollwire status`` reports them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from deploy import stack
 from deploy.engine.server import VllmServer
 from deploy.errors import DeployError
 from deploy.kafka import KafkaBroker, KafkaConfig
+from deploy.kafka_cluster import KafkaCluster
 from deploy.services import ServiceProcess
 from processors.cli import rebuild as processors_rebuild
 from processors.cli import run as processors_run
@@ -32,6 +34,7 @@ from schemas.cli import app as schemas_app
 from schemas.transport.admin import broker_answers
 from schemas.transport.errors import TransportError
 from sinks.export import export_sft
+from sinks.ui.cli import run_ui
 
 app = typer.Typer(help="rollwire: record coding-agent harnesses token for token, as RL training data.",
                   no_args_is_help=True, add_completion=False)
@@ -52,6 +55,7 @@ app.command("export-sft", help="Build the SFT dataset (JSONL, Parquet, acceptanc
 app.command("gateway-node", help="Run a gateway node (sessions → harness runs) in the foreground.")(gateway_node)
 app.command("rollout-server", help="Run the rollout server in the foreground.")(rollout_server)
 app.command("submit", help="Submit a tasks file (JSON Lines) to the rollout server.")(submit)
+app.command("ui", help="Serve the read-only web page (runs, sessions, traces) built from the topics.")(run_ui)
 
 
 def _proxy_port() -> stack.Port:
@@ -79,12 +83,18 @@ def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each p
                                                     "start installs vLLM)."),
        engine: bool = typer.Option(True, help="Start the embedded engine (ignored with ROLLWIRE_ENGINE_URL)."),
        proxy: bool = typer.Option(True, help="Start the gateway proxy."),
-       processors: bool = typer.Option(True, help="Start a trajectory worker.")) -> None:
+       processors: bool = typer.Option(True, help="Start a trajectory worker."),
+       ui: bool = typer.Option(True, help="Start the web page (rollwire ui) on ROLLWIRE_UI_PORT (8790)."),
+       brokers: int = typer.Option(None, "--brokers", envvar="ROLLWIRE_KAFKA_BROKERS", min=1, max=9, help=(
+           "Run the project's Kafka as a cluster of this many KRaft nodes on this machine (node i on "
+           "ROLLWIRE_KAFKA_PORT + 2(i-1)); 3 or more: topics with 3 replicas, 2 in sync. Default: the "
+           "cluster a previous `up --brokers` laid out, else one node."))) -> None:
     """Start the local stack (Kafka and topics, engine, proxy, processors) and print its status."""
     config = KafkaConfig.from_env()
-    settings = stack.managed_settings(config)
     try:
-        stack.broker(config, settings.kafka_bootstrap, timeout_s=min(timeout_s, 300))
+        cluster = stack.local_cluster(config, brokers)
+        settings = stack.managed_settings(config, cluster=cluster)
+        stack.broker(config, settings.kafka_bootstrap, brokers=brokers, timeout_s=min(timeout_s, 300))
         typer.echo(f"topics_created={len(stack.topics(settings).created)}")
         if processors:
             stack.processors(settings, _processors_port(), timeout_s=min(timeout_s, 120))
@@ -93,6 +103,8 @@ def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each p
             engine_url = stack.engine(engine_url, stack.engine_config(), timeout_s=timeout_s).address
         if proxy and engine_url is not None:
             stack.proxy(settings, engine_url, _proxy_port())
+        if ui:
+            stack.ui(settings, stack.ui_port())
     except (DeployError, TransportError) as exc:
         _fail(exc)
     status(as_json=False)
@@ -107,9 +119,14 @@ def down() -> None:
         typer.echo("proxy=stopped")
         _stopper("processors", _processors_port()).stop()
         typer.echo("processors=stopped")
+        _stopper("ui", stack.ui_port()).stop()
+        typer.echo("ui=stopped")
         if stack.external_engine_url() is None:
             VllmServer(stack.engine_config()).stop()
             typer.echo("engine=stopped")
+        cluster = KafkaCluster.load(config)
+        if cluster is not None:
+            cluster.stop()
         KafkaBroker(config).stop()
     except DeployError as exc:
         _fail(exc)
@@ -120,10 +137,16 @@ def down() -> None:
 def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Report the local stack: broker, engine, proxy and processors, and whether each answers."""
     config = KafkaConfig.from_env()
-    settings = stack.managed_settings(config)
-    managed = settings.kafka_bootstrap == config.bootstrap
+    cluster = KafkaCluster.load(config)
+    settings = stack.managed_settings(config, cluster=cluster)
+    managed = settings.kafka_bootstrap in (config.bootstrap, cluster.bootstrap if cluster else None)
     report: dict[str, object] = {"kafka_managed": managed}
-    if managed:
+    if managed and cluster is not None:
+        cluster_status = cluster.status()
+        report.update({"kafka_" + k: v for k, v in cluster_status.items() if k != "nodes"})
+        for node in cluster_status["nodes"]:
+            report.update({f"kafka_node{node['node_id']}_{k}": v for k, v in node.items() if k != "node_id"})
+    elif managed:
         report.update({"kafka_" + k: v for k, v in KafkaBroker(config).status().items()})
     report["kafka_bootstrap"] = settings.kafka_bootstrap
     report["kafka_answers"] = broker_answers(settings.kafka_bootstrap)
@@ -137,6 +160,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
     report.update({"proxy_" + k: v for k, v in _stopper("proxy", _proxy_port()).status().items()})
     report["proxy_url"] = ProxySettings().public_url
     report.update({"processors_" + k: v for k, v in _stopper("processors", _processors_port()).status().items()})
+    report.update({"ui_" + k: v for k, v in _stopper("ui", stack.ui_port()).status().items()})
     if as_json:
         typer.echo(json.dumps(report, default=str))
         return

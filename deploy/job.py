@@ -34,6 +34,7 @@ up, or a task line was bad or refused.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -53,6 +54,7 @@ from processors.groups.settings import GroupSettings
 from processors.settings import ProcessorSettings
 from producers.gateway.settings import GatewaySettings
 from producers.rollout.display import (
+    pages,
     acceptance_line,
     failures_table,
     groups_table,
@@ -110,6 +112,7 @@ class Stack:
     kafka: KafkaSettings | None = None
     proxy_url: str = ""
     server_url: str = ""
+    ui_url: str = ""
     started: list[stack.Part] = field(default_factory=list)
     """The job-specific parts this job started (rollout server, gateway node, evaluators, groups)."""
     names: set[str] = field(default_factory=set)
@@ -160,6 +163,11 @@ class Stack:
 
         worker = ProcessorSettings()
         self._report(stack.processors(kafka, stack.Port(worker.host, worker.port, move_if_taken=True)))
+        try:  # the page is for looking: the run goes on without it
+            where = stack.ui_port()
+            self.ui_url = self._report(stack.ui(kafka, dataclasses.replace(where, move_if_taken=True))).address
+        except DeployError as exc:
+            self._say("ui", "skipped", f"it did not start: {exc}")
 
         rollout = RolloutServerSettings()
         server = stack.rollout_server(kafka, stack.Port(rollout.host, self.options.server_port or rollout.port,
@@ -369,6 +377,8 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
                                                       Topic.GROUPS)}
         files = [*sft.get("files", {}).values(), *_sink_files(started_at)]
         console.print(outputs(topics, running.server_url, task_ids, files))
+        if running.ui_url:
+            console.print(pages(running.ui_url, run_id, statuses))
         if running.started and not options.keep_services:
             console.print("  (the results are served while a rollout server runs: `rollwire rollout-server` "
                           "rebuilds them from the topics)", highlight=False)

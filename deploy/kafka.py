@@ -1,5 +1,10 @@
 """The project's own Apache Kafka: one KRaft node (broker and controller in one JVM) run from Maven jars.
 
+A node is alone (the development broker) or one voter of a cluster (``KafkaConfig.quorum``: every
+voter's ``id@host:controller_port``, and the ``cluster_id`` they all format with); deploy/kafka_cluster.py
+runs such clusters. A node of a cluster of three or more replicates Kafka's internal topics three times
+with two in sync, and sets the same defaults for topics created without them (issue 19).
+
 ``KafkaBroker`` resolves the jars (``deploy.kafka_dist``), writes ``server.properties`` and ``log4j2.xml``
 into its home, formats the storage on first start, runs ``java kafka.Kafka`` detached (it outlives the
 command that started it; stdout and stderr go to ``<home>/logs/broker.log``), waits until the broker answers
@@ -69,6 +74,11 @@ class KafkaConfig:
     controller_port: int = DEFAULT_PORT + 1
     heap: str = DEFAULT_HEAP
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    node_id: int = 1
+    quorum: tuple[str, ...] = ()
+    """The controller quorum of a cluster, ``id@host:port`` per voter (this node's included); empty: alone."""
+    cluster_id: str | None = None
+    """The id to format the storage with (a cluster's nodes must share it); None: a new random one."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
@@ -92,6 +102,11 @@ class KafkaConfig:
         if not self.heap.split() or any(not opt.startswith("-") for opt in self.heap.split()):
             raise ConfigError(f"heap {self.heap!r} must be JVM options such as {DEFAULT_HEAP!r}; "
                               "set ROLLWIRE_KAFKA_HEAP")
+        object.__setattr__(self, "quorum", tuple(self.quorum))
+        if self.node_id < 0:
+            raise ConfigError(f"node id {self.node_id} must be 0 or more")
+        if self.quorum and self.voter not in self.quorum:
+            raise ConfigError(f"node {self.voter} is not among the quorum's voters {','.join(self.quorum)}")
 
     @classmethod
     def from_env(cls) -> KafkaConfig:
@@ -122,15 +137,30 @@ class KafkaConfig:
     def data_dir(self) -> Path:
         return self.home / "data"
 
+    @property
+    def voter(self) -> str:
+        """This node as a controller quorum voter, ``id@host:controller_port``."""
+        return f"{self.node_id}@{self.host}:{self.controller_port}"
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of internal topics and the default for new topics: three where the cluster has them."""
+        return min(3, max(1, len(self.quorum)))
+
+    @property
+    def min_insync_replicas(self) -> int:
+        """Two of three in sync (one broker may die without losing an acknowledged write); else one."""
+        return 2 if self.replicas >= 3 else 1
+
 
 def server_properties(config: KafkaConfig) -> str:
     """The broker's ``server.properties``: one combined KRaft node (no comments, one ``key=value`` a line)."""
     batch_limit = config.max_message_bytes + BATCH_OVERHEAD_BYTES
     settings: dict[str, object] = {
         "process.roles": "broker,controller",
-        "node.id": 1,
-        # A static one-voter quorum: no dynamic-quorum bootstrap needed at format time.
-        "controller.quorum.voters": f"1@{config.host}:{config.controller_port}",
+        "node.id": config.node_id,
+        # A static quorum (one voter, or the cluster's): no dynamic-quorum bootstrap needed at format time.
+        "controller.quorum.voters": ",".join(config.quorum) or config.voter,
         "listeners": f"PLAINTEXT://{config.host}:{config.port},CONTROLLER://{config.host}:{config.controller_port}",
         "advertised.listeners": f"PLAINTEXT://{config.host}:{config.port}",
         "controller.listener.names": "CONTROLLER",
@@ -144,16 +174,22 @@ def server_properties(config: KafkaConfig) -> str:
         "message.max.bytes": batch_limit,
         "replica.fetch.max.bytes": batch_limit,
         "socket.request.max.bytes": max(100 * 1024 * 1024, 4 * batch_limit),
-        # One node: internal topics (consumer offsets, transactions, share groups) with replication 1, so that
-        # consumer groups and transactional producers work; 8 partitions each so that they are created fast.
-        "offsets.topic.replication.factor": 1,
+        # Internal topics (consumer offsets, transactions, share groups) with as many replicas as the cluster
+        # has, up to three (one node: 1, so that consumer groups and transactional producers work at all);
+        # 8 partitions each so that they are created fast.
+        "offsets.topic.replication.factor": config.replicas,
         "offsets.topic.num.partitions": 8,
-        "transaction.state.log.replication.factor": 1,
-        "transaction.state.log.min.isr": 1,
+        "transaction.state.log.replication.factor": config.replicas,
+        "transaction.state.log.min.isr": config.min_insync_replicas,
         "transaction.state.log.num.partitions": 8,
-        "share.coordinator.state.topic.replication.factor": 1,
-        "share.coordinator.state.topic.min.isr": 1,
+        "share.coordinator.state.topic.replication.factor": config.replicas,
+        "share.coordinator.state.topic.min.isr": config.min_insync_replicas,
         "share.coordinator.state.topic.num.partitions": 8,
+        # Topics created without these (a Faust changelog) get the cluster's replication; an out-of-sync
+        # replica never becomes leader (Kafka's default, stated: it would drop acknowledged writes).
+        "default.replication.factor": config.replicas,
+        "min.insync.replicas": config.min_insync_replicas,
+        "unclean.leader.election.enable": "false",
         # Tests and the CLI form groups often; do not hold the first rebalance back (default 3 s).
         "group.initial.rebalance.delay.ms": 0,
     }
@@ -239,10 +275,20 @@ class KafkaBroker:
                     raise BrokerStopError(f"Kafka (pid {pid}) outlived SIGKILL; check `ps -p {pid}`")
         self.pid_file.unlink(missing_ok=True)
 
+    def kill(self) -> None:
+        """SIGKILL the broker (no clean shutdown: what a crash or a lost host does); for failover tests."""
+        pid = self.pid()
+        if pid is not None:
+            self._signal(pid, signal.SIGKILL)
+            if not self._wait_gone(pid, 10):
+                raise BrokerStopError(f"Kafka (pid {pid}) outlived SIGKILL; check `ps -p {pid}`")
+        self.pid_file.unlink(missing_ok=True)
+
     def status(self) -> dict[str, Any]:
         """What ``rollwire status`` reports about this broker (no network request)."""
         pid = self.pid()
-        return {"running": pid is not None, "pid": pid, "bootstrap": self.config.bootstrap,
+        return {"running": pid is not None, "pid": pid, "node_id": self.config.node_id,
+                "bootstrap": self.config.bootstrap,
                 "version": self.config.version, "data_dir": str(self.config.data_dir),
                 "log": str(self.log_file)}
 
@@ -273,7 +319,7 @@ class KafkaBroker:
     def _format_storage(self, libs: Path) -> None:
         if (self.config.data_dir / "meta.properties").exists():
             return
-        cluster_id = new_cluster_id()
+        cluster_id = self.config.cluster_id or new_cluster_id()
         # "--cluster-id=ID" in one argument: a base64 id may start with "-" and read as an option.
         command = self._java_command(libs, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
                                      f"--config={self.properties_file}")

@@ -29,9 +29,11 @@ import httpx
 from deploy.engine.server import EngineConfig, VllmServer, engine_ready
 from deploy.errors import DeployError
 from deploy.kafka import KafkaBroker, KafkaConfig
+from deploy.kafka_cluster import KafkaCluster
 from deploy.services import ServiceProcess
 from schemas.transport.admin import ExtraTopic, broker_answers, ensure_topics
 from schemas.transport.settings import KafkaSettings
+from schemas.ui_links import DEFAULT_UI_PORT
 
 PartState = Literal["reused", "started"]
 
@@ -94,22 +96,47 @@ def _port_free(host: str, port: int) -> bool:
 # ---- Kafka --------------------------------------------------------------------------------------------
 
 
-def managed_settings(config: KafkaConfig, settings: KafkaSettings | None = None) -> KafkaSettings:
-    """Kafka settings pointing at the project's own broker unless ROLLWIRE_KAFKA_BOOTSTRAP names another."""
+def local_cluster(config: KafkaConfig, brokers: int | None = None) -> KafkaCluster | None:
+    """The project's own multi-node cluster under ``config.home``: the one a start laid out there (its
+    ``cluster.json``), else a new one of ``brokers`` nodes; None for the single development broker."""
+    found = KafkaCluster.load(config)
+    if found is not None:
+        if brokers is not None and brokers != len(found.nodes):
+            raise StackError(f"{config.home} holds a {len(found.nodes)}-broker cluster, not {brokers}: run "
+                             f"`rollwire down`, then remove {found.layout_file} and the node-* folders beside it "
+                             "(their data is lost), or set ROLLWIRE_HOME to another folder")
+        return found
+    return KafkaCluster(config, brokers) if brokers is not None and brokers > 1 else None
+
+
+def managed_settings(config: KafkaConfig, settings: KafkaSettings | None = None,
+                     cluster: KafkaCluster | None = None) -> KafkaSettings:
+    """Kafka settings pointing at the project's own broker (or its local ``cluster``, default: the one laid
+    out under ``config.home``, with its replication) unless ROLLWIRE_KAFKA_BOOTSTRAP names another."""
     settings = settings or KafkaSettings()
-    if "kafka_bootstrap" not in settings.model_fields_set:
-        settings = settings.model_copy(update={"kafka_bootstrap": config.bootstrap})
-    return settings
+    if "kafka_bootstrap" in settings.model_fields_set:
+        return settings
+    cluster = cluster or KafkaCluster.load(config)
+    if cluster is not None:
+        return cluster.settings(settings)
+    return settings.model_copy(update={"kafka_bootstrap": config.bootstrap})
 
 
-def broker(config: KafkaConfig, bootstrap: str | None = None, *, timeout_s: float = 300) -> Part:
-    """Reuse the cluster at ``bootstrap`` if it answers; else start the project's broker of ``config``
-    (when ``bootstrap`` is None or is that broker's address). Another address that does not answer fails."""
-    address = bootstrap or config.bootstrap
+def broker(config: KafkaConfig, bootstrap: str | None = None, *, brokers: int | None = None,
+           timeout_s: float = 300) -> Part:
+    """Reuse the cluster at ``bootstrap`` if it answers; else start the project's broker of ``config`` (or
+    its local cluster, :func:`local_cluster`) when ``bootstrap`` is None or is its address. Another address
+    that does not answer fails."""
+    cluster = local_cluster(config, brokers)
+    own = cluster.bootstrap if cluster is not None else config.bootstrap
+    address = bootstrap or own
     if broker_answers(address):
         return Part("kafka", "reused", address)
-    if address != config.bootstrap:
+    if address not in (own, config.bootstrap):
         raise StackError(f"no Kafka answers at ROLLWIRE_KAFKA_BOOTSTRAP={address}")
+    if cluster is not None:
+        cluster.start(timeout_s=timeout_s)
+        return Part("kafka", "started", own, stop=cluster.stop)
     launcher = KafkaBroker(config)
     launcher.start(timeout_s=timeout_s)
     return Part("kafka", "started", address, stop=launcher.stop)
@@ -193,6 +220,7 @@ _PORT_VARIABLES: dict[str, tuple[str, str]] = {
     "rollout-server": ("ROLLWIRE_ROLLOUT_HOST", "ROLLWIRE_ROLLOUT_PORT"),
     "gateway-node": ("ROLLWIRE_GATEWAY_HOST", "ROLLWIRE_GATEWAY_PORT"),
     "groups": ("ROLLWIRE_GROUPS_HOST", "ROLLWIRE_GROUPS_PORT"),
+    "ui": ("ROLLWIRE_UI_HOST", "ROLLWIRE_UI_PORT"),
 }
 
 
@@ -206,7 +234,9 @@ def _kafka_env(kafka: KafkaSettings) -> dict[str, str]:
     return {"ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap, "ROLLWIRE_TOPIC_PREFIX": kafka.topic_prefix,
             "ROLLWIRE_SESSION_PARTITIONS": str(kafka.session_partitions),
             "ROLLWIRE_TASK_PARTITIONS": str(kafka.task_partitions),
-            "ROLLWIRE_MAX_MESSAGE_BYTES": str(kafka.max_message_bytes)}
+            "ROLLWIRE_MAX_MESSAGE_BYTES": str(kafka.max_message_bytes),
+            "ROLLWIRE_REPLICATION_FACTOR": str(kafka.replication_factor),
+            "ROLLWIRE_MIN_INSYNC_REPLICAS": str(kafka.min_insync_replicas)}
 
 
 def proxy(kafka: KafkaSettings, engine_url: str, where: Port, *, timeout_s: float = 120) -> Part:
@@ -242,6 +272,31 @@ def evaluator(kafka: KafkaSettings, name: str, *, timeout_s: float = 3) -> Part:
 def groups(kafka: KafkaSettings, where: Port, *, timeout_s: float = 180) -> Part:
     """The groups worker (Faust): trajectories + evaluations + tasks → GRPO groups."""
     return _service("groups", ("groups",), where, _kafka_env(kafka), timeout_s=timeout_s)
+
+
+def ui_port() -> Port:
+    """Where the web page listens: ROLLWIRE_UI_HOST / ROLLWIRE_UI_PORT (127.0.0.1:8790)."""
+    return Port(os.environ.get("ROLLWIRE_UI_HOST", "127.0.0.1"),
+                int(os.environ.get("ROLLWIRE_UI_PORT", "") or DEFAULT_UI_PORT))
+
+
+def ui_tokenizer() -> str | None:
+    """The vocabulary the trace page decodes with: the embedded engine's model when it serves (an external
+    engine's is unknown here: ROLLWIRE_UI_TOKENIZER names it, else the UI uses the Qwen vocabulary)."""
+    if os.environ.get("ROLLWIRE_UI_TOKENIZER"):
+        return os.environ["ROLLWIRE_UI_TOKENIZER"]
+    if external_engine_url() is None:
+        model_dir = engine_config().model_dir
+        if (model_dir / "tokenizer.json").is_file():
+            return str(model_dir)
+    return None
+
+
+def ui(kafka: KafkaSettings, where: Port, *, timeout_s: float = 120) -> Part:
+    """The read-only web page over the topics (``rollwire ui``, sinks/ui)."""
+    tokenizer = ui_tokenizer()
+    env = {**_kafka_env(kafka), **({"ROLLWIRE_UI_TOKENIZER": tokenizer} if tokenizer else {})}
+    return _service("ui", ("ui",), where, env, timeout_s=timeout_s)
 
 
 def docker(instances_file: Path | None = None, *, say: Callable[[str], None] = print) -> Part:

@@ -116,19 +116,27 @@ INPUT_TOPICS = {registry.name(Topic.COMPLETIONS): Topic.COMPLETIONS,
                 registry.name(Topic.SESSION_EVENTS): Topic.SESSION_EVENTS,
                 registry.name(Topic.SESSIONS): Topic.SESSIONS,
                 control_topic(kafka, conf.app_id): Topic.SESSION_EVENTS}
+# The session inputs, whose ends a catch-up reads back (the control topic's own records are not state).
+SESSION_INPUTS = frozenset(name for name, topic in INPUT_TOPICS.items() if name != control_topic(kafka, conf.app_id))
+CATCH_UP = b'"kind":"catch_up"'
 continuity = InputContinuity()
 range_reader = RangeReader(kafka, INPUT_TOPICS)
+# When a catch-up was last asked for each partition (see deadlines).
+catch_up_asked: dict[int, float] = {}
 
 
 async def _baseline() -> None:
     """Ask the group's committed offsets of our input partitions (where this assignment starts reading)."""
+    generation = assignments[0]
     assigned = [(tp.topic, tp.partition) for tp in app.assignor.assigned_actives() if tp.topic in INPUT_TOPICS]
     try:
-        continuity.baseline(await range_reader.committed(app.conf.id, assigned))
+        committed = await range_reader.committed(app.conf.id, assigned)
     except TransportError as exc:  # go on trusting the stream; asked again at the next assignment
         logger.error("cannot read the committed offsets: %s; skipped offsets go undetected until the next "
                      "assignment", exc)
-        continuity.baseline({})
+        committed = {}
+    if assignments[0] == generation:  # else they are another assignment's: asked again
+        continuity.baseline(committed)
 
 
 aggregator = SessionAggregator(
@@ -225,7 +233,8 @@ async def sessions(stream: faust.StreamT) -> None:
             await _baseline()
             if assignments[0] != generation:
                 continue
-        verdict = continuity.admit(message.topic, message.partition, message.offset)
+        now = asyncio.get_running_loop().time()
+        verdict = continuity.admit(message.topic, message.partition, message.offset, now)
         if verdict == DUPLICATE:
             unflushed.append(event)  # handled already (or before the committed offset): acknowledge only
             continue
@@ -241,6 +250,21 @@ async def sessions(stream: faust.StreamT) -> None:
                 continue
             logger.warning("offsets %s-%s of %s[%s] were not handed out by the stream; read back %d records",
                            verdict.start, verdict.end - 1, verdict.topic, verdict.partition, len(records) - 1)
+        tails: list[Gap] = []
+        if message.topic == control.get_topic_name() and CATCH_UP in (message.value or b""):
+            # The timer saw this partition's inputs end past what the stream handed out: read the ends back.
+            tails = continuity.behind(message.partition, highwater, now, 0.0, SESSION_INPUTS)
+            try:
+                read = [record for gap in tails for record in await range_reader.read(gap)]
+            except TransportError as exc:
+                logger.error("reading the ends of partition %s back failed: %s", message.partition, exc)
+                continue
+            if assignments[0] != generation:
+                continue
+            if read:
+                logger.warning("partition %s: %d records on the log were not handed out by the stream; read "
+                               "back", message.partition, len(read))
+            records = [*read, *records]
         await aggregator.handle_batch(records)
         if assignments[0] != generation:
             # The partitions were reassigned while the record awaited a send: it is read again from the
@@ -248,6 +272,8 @@ async def sessions(stream: faust.StreamT) -> None:
             aggregator.reset(None)
             continue
         continuity.handled(message.topic, message.partition, message.offset)
+        for gap in tails:
+            continuity.read_to(gap)
         # Only now: the flush timer (which may run while the record awaits a send) acknowledges it.
         unflushed.append(event)
         if len(unflushed) >= conf.batch_records:
@@ -268,6 +294,20 @@ async def deadlines() -> None:
         return
     actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
     await aggregator.tick(actives)
+    await _ask_catch_up(actives)
+
+
+async def _ask_catch_up(actives: set[int]) -> None:
+    """Ask the agent to read back the ends of partitions whose inputs are on the log but have not been
+    handed out for a while (processors.continuity: a hole at the end has no later record to reveal it)."""
+    if not continuity.baselined:
+        await _baseline()
+    now = asyncio.get_running_loop().time()
+    quiet_s = max(2.0, 4 * conf.settle_s)
+    for partition in continuity.partitions_behind(highwater, now, quiet_s, SESSION_INPUTS) & actives:
+        if now - catch_up_asked.get(partition, -quiet_s) >= quiet_s:
+            catch_up_asked[partition] = now
+            await send_control("", partition, {"kind": "catch_up", "session_id": ""})
 
 
 @on_partitions(app.on_partitions_revoked)
@@ -282,6 +322,7 @@ async def _assigned(assigned: set[TP]) -> None:
     assignments[0] += 1
     recovering[0] = True
     continuity.reset()
+    catch_up_asked.clear()
     unflushed.clear()  # anything not flushed is read again from the committed offsets
     aggregator.reset({tp.partition for tp in assigned if tp.topic == control.get_topic_name()})
 

@@ -22,13 +22,17 @@ everything before it is in the recovered tables). For each record the stream han
 
 Records handed out while the tables are still being recovered are not handled (their state is not there
 yet) and do not move the next offset: the first record after recovery finds the gap and reads them back.
+A hole at a partition's end has no later record to reveal it: :meth:`InputContinuity.behind` names the
+partitions whose high watermark is past the next offset while the stream has handed out nothing of them
+for a while, and the worker reads those ends back itself (a record the stream was only slow to hand out
+is then skipped as a repeat when it comes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,17 +84,22 @@ class InputContinuity:
     def __init__(self) -> None:
         self._next: dict[TopicPartition, int] = {}
         self._starts: dict[TopicPartition, int] = {}
+        self._seen_at: dict[TopicPartition, float] = {}  # when the stream last handed out a record of it
         self.baselined = False
-        self.counters = {"duplicates_skipped": 0, "gaps": 0, "gap_offsets": 0}
+        self.counters = {"duplicates_skipped": 0, "gaps": 0, "gap_offsets": 0, "tails_read": 0}
 
     def reset(self) -> None:
         """Partitions were revoked or assigned: the committed offsets must be asked again."""
         self._next.clear()
         self._starts.clear()
+        self._seen_at.clear()
         self.baselined = False
 
     def baseline(self, committed: Mapping[TopicPartition, int]) -> None:
-        """Start each partition at the group's committed offset (or the log's start when none)."""
+        """Start each partition at the group's committed offset (or the log's start when none); only the
+        first baseline of an assignment counts (a second one would move handled partitions back)."""
+        if self.baselined:
+            return
         self._next.update(committed)
         self._starts.update(committed)
         self.baselined = True
@@ -99,8 +108,9 @@ class InputContinuity:
         """Where this assignment started reading ``topic``/``partition`` (None before the baseline)."""
         return self._starts.get((topic, partition)) if self.baselined else None
 
-    def admit(self, topic: str, partition: int, offset: int) -> str | Gap:
+    def admit(self, topic: str, partition: int, offset: int, now: float = 0.0) -> str | Gap:
         """Classify a record the stream handed out; call :meth:`handled` once it is handled."""
+        self._seen_at[(topic, partition)] = now
         expected = self._next.get((topic, partition))
         if expected is None:
             return NEXT  # not baselined (no committed offset known): trust the stream
@@ -117,6 +127,29 @@ class InputContinuity:
         key = (topic, partition)
         if key in self._next:
             self._next[key] = max(self._next[key], offset + 1)
+
+    def behind(self, partition: int, highwater: Callable[[str, int], int | None], now: float,
+               quiet_s: float, topics: Collection[str]) -> list[Gap]:
+        """The ends of ``partition`` of ``topics`` that are on the log but were not handed out, for those
+        the stream has been quiet about for ``quiet_s`` (empty before the baseline)."""
+        gaps = []
+        for (topic, p), expected in self._next.items():
+            if p != partition or topic not in topics:
+                continue
+            end = highwater(topic, p)
+            if end is not None and end > expected and now - self._seen_at.get((topic, p), 0.0) >= quiet_s:
+                gaps.append(Gap(topic, p, expected, end))
+        return gaps
+
+    def partitions_behind(self, highwater: Callable[[str, int], int | None], now: float,
+                          quiet_s: float, topics: Collection[str]) -> set[int]:
+        """The partitions with an input end to read back (see :meth:`behind`)."""
+        return {p for (_, p) in self._next if self.behind(p, highwater, now, quiet_s, topics)}
+
+    def read_to(self, gap: Gap) -> None:
+        """``gap`` was read back from the log and handled: its offsets are accounted for (markers too)."""
+        self.counters["tails_read"] += 1
+        self.handled(gap.topic, gap.partition, gap.end - 1)
 
 
 class RangeReader:

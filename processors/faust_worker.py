@@ -45,7 +45,7 @@ def app_settings(kafka: KafkaSettings, *, store: str, data_dir: Path, partitions
         "store": "rocksdb://" if store == "rocksdb" else "memory://",
         "datadir": str(data_dir),
         "topic_partitions": partitions,
-        "topic_replication_factor": 1,
+        "topic_replication_factor": kafka.replication_factor,  # the changelogs: as the deployment's topics
         "topic_disable_leader": True,  # no extra "__leader" topic: nothing here needs a leader
         "web_enabled": False,  # the health page (processors/health.py) needs no aiohttp
         "processing_guarantee": "at_least_once",  # Faust's exactly-once mode is deliberately not used

@@ -31,8 +31,11 @@ def control_topic_spec(kafka: KafkaSettings, name: str) -> ExtraTopic:
 
 
 def changelog_configs(kafka: KafkaSettings) -> dict[str, str]:
-    """Changelog topic configs (values are small; the limit is the deployment's, as for every topic)."""
-    return {"max.message.bytes": str(kafka.max_message_bytes + FRAMING_BYTES)}
+    """Changelog topic configs (values are small; the limit is the deployment's, as for every topic), and
+    the deployment's durability: a changelog is the only copy of a table's state."""
+    return {"max.message.bytes": str(kafka.max_message_bytes + FRAMING_BYTES),
+            "min.insync.replicas": str(kafka.min_insync_replicas),
+            "unclean.leader.election.enable": "false"}
 
 
 async def prepare_topics(kafka: KafkaSettings, name: str) -> None:

@@ -79,7 +79,9 @@ dead_letters = app.topic(registry.name(Topic.DEAD_LETTER), internal=False, **RAW
 
 tasks_state = app.Table("tasks_state", partitions=kafka.task_partitions, key_type=bytes, value_type=bytes,
                         schema=faust.Schema(**RAW), help="task id -> TaskState (assembly.py)",
-                        extra_topic_configs={"max.message.bytes": str(kafka.fetch_bytes)})
+                        extra_topic_configs={"max.message.bytes": str(kafka.fetch_bytes),
+                                             "min.insync.replicas": str(kafka.min_insync_replicas),
+                                             "unclean.leader.election.enable": "false"})
 
 counters: dict[str, int] = {"facts": 0, "no_task": 0, "late": 0, "emitted": 0, "incomplete": 0, "abandoned": 0,
                             "dead_lettered": 0}

@@ -19,6 +19,7 @@ from rich.text import Text
 from schemas.groups import Group
 from schemas.rollouts import SessionStatusView, TaskState, TaskStatus
 from schemas.sessions import FailureKind, SessionStage, SessionStatus
+from schemas.ui_links import run_url, session_url
 
 STAGES: tuple[str, ...] = tuple(stage.value for stage in SessionStage)
 TIMED_STAGES: tuple[str, ...] = ("init", "ready", "running", "post_run", "teardown")
@@ -229,4 +230,13 @@ def outputs(topics: dict[str, str], server_url: str, task_ids: Sequence[str], fi
         lines.append(Text(f"  file {path}"))
     if not files:
         lines.append(Text("  files: none written during this run"))
+    return Lines(*lines)
+
+
+def pages(ui_url: str, run_id: str, statuses: Sequence[TaskStatus]) -> Lines:
+    """Where to look at the run in the web page (``rollwire ui``): the run, then each session."""
+    lines = [Text("pages", style="bold"), Text(f"  run      {run_url(run_id, ui_url)}")]
+    for status in statuses:
+        for session in status.sessions:
+            lines.append(Text(f"  session  {session_url(session.session_id, ui_url)}"))
     return Lines(*lines)

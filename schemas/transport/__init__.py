@@ -9,6 +9,7 @@ encoding).
 from schemas.transport.admin import (
     ExtraTopic,
     KafkaAdmin,
+    PartitionState,
     broker_answers,
     cluster_id,
     delete_topics,
@@ -19,6 +20,6 @@ from schemas.transport.errors import PublishError, TopicSetupError, TransportErr
 from schemas.transport.producer import EventProducer
 from schemas.transport.settings import KafkaSettings
 
-__all__ = ["EventConsumer", "EventProducer", "ExtraTopic", "KafkaAdmin", "KafkaSettings", "PublishError",
-           "RawRecord", "Received", "TopicSetupError", "TransportError", "broker_answers", "cluster_id",
+__all__ = ["EventConsumer", "EventProducer", "ExtraTopic", "KafkaAdmin", "KafkaSettings", "PartitionState",
+           "PublishError", "RawRecord", "Received", "TopicSetupError", "TransportError", "broker_answers", "cluster_id",
            "delete_topics", "ensure_topics", "topic_spec"]

@@ -4,7 +4,9 @@ Every service and the deploy tooling go through here, never through their own ad
 
 - :func:`ensure_topics` creates the registry's topics (schemas/topics.py) and a caller's extra topics
   (:class:`ExtraTopic`: the trajectory worker's control topic, the groups worker's by-task topic, a
-  rebuild's output topic), all with the size limits derived from ``FRAMING_BYTES``; an existing registry
+  rebuild's output topic), all with the size limits derived from ``FRAMING_BYTES`` and the settings'
+  replication (``replication_factor`` replicas, ``min.insync.replicas``, no unclean leader election); an
+  existing registry
   topic must have the registry's partition count (co-partitioning depends on it); a topic that someone
   else creates meanwhile counts as existing; it returns once every partition has a leader.
 - :func:`delete_topics` deletes a prefix's topics (tests and benchmarks clean up their throwaway ones).
@@ -28,7 +30,15 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    GroupCoordinatorNotAvailableError,
+    GroupLoadInProgressError,
+    InvalidReplicationFactorError,
+    KafkaError,
+    NotCoordinatorForGroupError,
+    TopicAlreadyExistsError,
+    for_code,
+)
 
 from schemas.topics import FRAMING_BYTES, MAX_MESSAGE_BYTES, TopicSpec
 from schemas.transport.errors import TopicSetupError, TransportError
@@ -57,15 +67,30 @@ class ExtraTopic:
         """A registry topic's partitions, retention and clean-up policy, under ``name`` (default: its own)."""
         return cls(name or spec.name, spec.partitions, spec.retention_ms, spec.compacted)
 
-    def configs(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, str]:
-        """Topic-level broker configs, the same keys as :meth:`schemas.topics.TopicSpec.configs`."""
+    def configs(self, max_message_bytes: int = MAX_MESSAGE_BYTES, min_insync_replicas: int = 1) -> dict[str, str]:
+        """Topic-level broker configs, the same keys as :meth:`schemas.topics.TopicSpec.configs`, and the
+        replication guarantees (issue 19)."""
         return {
             # A topic's limit applies to whole batches: room for their framing (schemas/topics.py).
             "max.message.bytes": str(max_message_bytes + FRAMING_BYTES),
             "cleanup.policy": "compact" if self.compacted else "delete",
             "retention.ms": str(self.retention_ms),
             "compression.type": "producer",
+            # With acks=all, an acknowledged write is on this many replicas; fewer in sync refuse writes.
+            "min.insync.replicas": str(min_insync_replicas),
+            # Kafka's default, stated: a replica that missed acknowledged writes never becomes leader.
+            "unclean.leader.election.enable": "false",
         }
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionState:
+    """Where one partition lives: its leader's node id (-1: none), its replicas and those in sync."""
+
+    partition: int
+    leader: int
+    replicas: tuple[int, ...]
+    isr: tuple[int, ...]
 
 
 class KafkaAdmin:
@@ -122,12 +147,34 @@ class KafkaAdmin:
             raise TopicSetupError(f"Kafka at {self.bootstrap} did not describe its topics: {exc!r}") from exc
         return {topic["topic"]: len(topic["partitions"]) for topic in described if topic["error_code"] == 0}
 
-    async def create(self, topics: Sequence[ExtraTopic], max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[str]:
-        """Create ``topics`` (replication 1); return those this call created. A topic that exists already,
-        or that another client creates at the same moment, is not an error."""
+    async def partitions(self, name: str) -> list[PartitionState]:
+        """Each partition of topic ``name`` with its leader and replicas, by partition number."""
+        try:
+            (described,) = await self._admin.describe_topics([name])
+        except KafkaError as exc:
+            raise TransportError(f"Kafka at {self.bootstrap} did not describe {name}: {exc!r}") from exc
+        if described["error_code"] != 0:
+            raise TransportError(f"Kafka at {self.bootstrap} cannot describe {name}: "
+                                 f"{for_code(described['error_code']).__name__}")
+        return sorted((PartitionState(p["partition"], p["leader"], tuple(p["replicas"]), tuple(p["isr"]))
+                       for p in described["partitions"]), key=lambda state: state.partition)
+
+    async def broker_ids(self) -> list[int]:
+        """The node ids of the brokers the cluster reports as alive (registered and not fenced)."""
+        try:
+            brokers = (await self._admin.describe_cluster())["brokers"]
+        except KafkaError as exc:
+            raise TransportError(f"Kafka at {self.bootstrap} did not describe its brokers: {exc!r}") from exc
+        return sorted(int(broker["node_id"]) for broker in brokers)
+
+    async def create(self, topics: Sequence[ExtraTopic], max_message_bytes: int = MAX_MESSAGE_BYTES, *,
+                     replication_factor: int = 1, min_insync_replicas: int = 1) -> list[str]:
+        """Create ``topics`` with ``replication_factor`` replicas each; return those this call created. A
+        topic that exists already, or that another client creates at the same moment, is not an error."""
         if not topics:
             return []
-        new = [NewTopic(t.name, t.partitions, 1, topic_configs=t.configs(max_message_bytes)) for t in topics]
+        new = [NewTopic(t.name, t.partitions, replication_factor,
+                        topic_configs=t.configs(max_message_bytes, min_insync_replicas)) for t in topics]
         try:
             response = await self._admin.create_topics(new, timeout_ms=int(self.timeout_s * 1000))
         except KafkaError as exc:
@@ -137,6 +184,9 @@ class KafkaAdmin:
             name, code, message = entry[0], entry[1], (entry[2] if len(entry) > 2 else None)
             if code == 0:
                 created.append(name)
+            elif code == InvalidReplicationFactorError.errno:
+                failures.append(f"{name}: the cluster has fewer live brokers than {replication_factor} replicas "
+                                "(ROLLWIRE_REPLICATION_FACTOR)")
             elif code != TopicAlreadyExistsError.errno:
                 failures.append(f"{name}: {for_code(code).__name__} {message or ''}".strip())
         if failures:
@@ -176,13 +226,25 @@ class KafkaAdmin:
 
     async def group_client_ids(self, group: str) -> list[str]:
         """The client ids of a consumer group's current members (empty when the group has none)."""
-        try:
-            responses = await self._admin.describe_consumer_groups([group])
-        except KafkaError as exc:
-            raise TransportError(f"describing consumer group {group}: {exc!r}") from exc
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                responses = await self._admin.describe_consumer_groups([group])
+                break
+            except _COORDINATOR_MOVING as exc:
+                # A fresh cluster creates its offsets topic on the first lookup; a failover moves the
+                # coordinator: both answer "not available" for a moment.
+                if time.monotonic() > deadline:
+                    raise TransportError(f"describing consumer group {group}: {exc!r}") from exc
+                await asyncio.sleep(0.2)
+            except KafkaError as exc:
+                raise TransportError(f"describing consumer group {group}: {exc!r}") from exc
         # Each group: (error_code, group_id, state, protocol_type, protocol, members[, authorized_operations]);
         # each member: (member_id, client_id, client_host, metadata, assignment).
         return [member[1] for response in responses for described in response.groups for member in described[5]]
+
+
+_COORDINATOR_MOVING = (GroupCoordinatorNotAvailableError, GroupLoadInProgressError, NotCoordinatorForGroupError)
 
 
 def _has_leaders(topic: dict[str, Any]) -> bool:
@@ -225,7 +287,9 @@ async def ensure_topics(settings: KafkaSettings, extra: Sequence[ExtraTopic] = (
             present = [spec.name for spec in specs if spec.name in existing]
             if present:
                 _check_partitions(await admin.partition_counts(present), specs)
-            created = await admin.create([t for t in wanted if t.name not in existing], settings.max_message_bytes)
+            created = await admin.create([t for t in wanted if t.name not in existing], settings.max_message_bytes,
+                                         replication_factor=settings.replication_factor,
+                                         min_insync_replicas=settings.min_insync_replicas)
             await admin.wait_for_leaders([t.name for t in wanted], deadline)
             return created
     except TopicSetupError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.topics import (
@@ -22,7 +22,15 @@ class KafkaSettings(BaseSettings):
     ``ROLLWIRE_TOPIC_PREFIX`` (``rollwire.``), ``ROLLWIRE_SESSION_PARTITIONS`` (8),
     ``ROLLWIRE_TASK_PARTITIONS`` (4), ``ROLLWIRE_MAX_MESSAGE_BYTES`` (8 MiB),
     ``ROLLWIRE_KAFKA_CLIENT_ID`` (``rollwire``), ``ROLLWIRE_KAFKA_LINGER_MS`` (2),
-    ``ROLLWIRE_KAFKA_REQUEST_TIMEOUT_MS`` (30000).
+    ``ROLLWIRE_KAFKA_REQUEST_TIMEOUT_MS`` (30000), ``ROLLWIRE_REPLICATION_FACTOR`` (1),
+    ``ROLLWIRE_MIN_INSYNC_REPLICAS`` (1).
+
+    What a replicated deployment must set (issue 19): ``ROLLWIRE_REPLICATION_FACTOR=3`` and
+    ``ROLLWIRE_MIN_INSYNC_REPLICAS=2`` for every service (the topics they create get both; with the
+    producers' ``acks=all`` an acknowledged event is then on two brokers at least, and a partition that is
+    down to one in-sync replica refuses writes rather than keeping the only copy), and on the brokers
+    ``unclean.leader.election.enable=false`` (Kafka's default; the topics set it too) so that a replica
+    that missed acknowledged writes never becomes leader. ``rollwire up --brokers 3`` sets all of them.
     """
 
     model_config = SettingsConfigDict(env_prefix="ROLLWIRE_", extra="ignore")
@@ -38,6 +46,10 @@ class KafkaSettings(BaseSettings):
     # by themselves while the previous request is out; a linger would only add its time to every reply.
     kafka_linger_ms: int = Field(default=0, ge=0)
     kafka_request_timeout_ms: int = Field(default=30_000, ge=1000)
+    # Replicas of every topic rollwire creates, and how many must have a write before it is acknowledged
+    # (topic config min.insync.replicas); 1 and 1 for the single development broker.
+    replication_factor: int = Field(default=1, ge=1, le=16)
+    min_insync_replicas: int = Field(default=1, ge=1, le=16)
 
     @field_validator("kafka_bootstrap")
     @classmethod
@@ -47,6 +59,14 @@ class KafkaSettings(BaseSettings):
             if not host or not port.isdigit():
                 raise ValueError(f"ROLLWIRE_KAFKA_BOOTSTRAP entry {server!r} must be host:port")
         return value
+
+    @model_validator(mode="after")
+    def _isr_fits_replicas(self) -> KafkaSettings:
+        if self.min_insync_replicas > self.replication_factor:
+            raise ValueError(f"ROLLWIRE_MIN_INSYNC_REPLICAS={self.min_insync_replicas} exceeds "
+                             f"ROLLWIRE_REPLICATION_FACTOR={self.replication_factor}: no write could be "
+                             "acknowledged; set it to at most the replication factor (2 of 3 is usual)")
+        return self
 
     def registry(self) -> TopicRegistry:
         return TopicRegistry(self.topic_prefix, self.session_partitions, self.task_partitions)

@@ -4,6 +4,7 @@ Topic administration (schemas/transport/admin.py) is tested in tests/transport/t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -25,6 +26,7 @@ from deploy.kafka import (
     KafkaConfig,
     server_properties,
 )
+from deploy.kafka_cluster import KafkaCluster, node_configs
 from schemas.topics import MAX_MESSAGE_BYTES, Topic, TopicRegistry
 from schemas.transport import KafkaSettings
 from schemas.transport.admin import broker_answers, ensure_topics
@@ -99,6 +101,79 @@ def test_broker_properties_admit_the_largest_event_and_single_node_transactions(
     assert props["group.initial.rebalance.delay.ms"] == "0"
     assert props["auto.create.topics.enable"] == "false"
     assert props["num.partitions"] == "1"
+    assert props["default.replication.factor"] == "1" and props["min.insync.replicas"] == "1"
+    assert props["unclean.leader.election.enable"] == "false"
+
+
+def test_cluster_nodes_share_one_quorum_and_replicate_three_times(tmp_path: Path) -> None:
+    """Three nodes laid out from the base port: ids 1..3, two ports each, one voter list and one cluster
+    id, internal topics and topic defaults with 3 replicas and 2 in sync (issue 19)."""
+    base = KafkaConfig(home=tmp_path / "kafka", port=29092)
+    nodes = node_configs(base, 3)
+    assert [(n.node_id, n.port, n.controller_port) for n in nodes] == [(1, 29092, 29093), (2, 29094, 29095),
+                                                                      (3, 29096, 29097)]
+    assert len({n.cluster_id for n in nodes}) == 1 and nodes[0].cluster_id
+    assert [n.home for n in nodes] == [tmp_path / "kafka" / f"node-{i}" for i in (1, 2, 3)]
+    for node in nodes:
+        props = _properties(node)
+        assert props["node.id"] == str(node.node_id)
+        assert props["controller.quorum.voters"] == "1@127.0.0.1:29093,2@127.0.0.1:29095,3@127.0.0.1:29097"
+        assert props["advertised.listeners"] == f"PLAINTEXT://127.0.0.1:{node.port}"
+        assert props["log.dirs"] == str(node.home / "data")
+        for key in ("offsets.topic.replication.factor", "transaction.state.log.replication.factor",
+                    "share.coordinator.state.topic.replication.factor", "default.replication.factor"):
+            assert props[key] == "3", key
+        for key in ("transaction.state.log.min.isr", "share.coordinator.state.topic.min.isr", "min.insync.replicas"):
+            assert props[key] == "2", key
+        assert props["unclean.leader.election.enable"] == "false"
+    # Two nodes: both replicas, but one in sync suffices (else any death stops all writes).
+    two = _properties(node_configs(base, 2)[0])
+    assert two["default.replication.factor"] == "2" and two["min.insync.replicas"] == "1"
+
+
+def test_cluster_settings_point_clients_at_every_node(tmp_path: Path) -> None:
+    cluster = KafkaCluster(KafkaConfig(home=tmp_path), 3, [(41001, 41002), (41003, 41004), (41005, 41006)])
+    settings = cluster.settings(KafkaSettings(topic_prefix="x."))
+    assert settings.kafka_bootstrap == "127.0.0.1:41001,127.0.0.1:41003,127.0.0.1:41005"
+    assert (settings.replication_factor, settings.min_insync_replicas) == (3, 2)
+    explicit = cluster.settings(KafkaSettings(replication_factor=2, min_insync_replicas=1))
+    assert (explicit.replication_factor, explicit.min_insync_replicas) == (2, 1)  # the environment wins
+    assert KafkaCluster.load(KafkaConfig(home=tmp_path)) is None  # nothing laid out until a start
+
+
+def test_a_laid_out_cluster_is_found_and_its_size_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy import stack
+    from deploy.errors import DeployError
+
+    for name in ("ROLLWIRE_KAFKA_BOOTSTRAP", "ROLLWIRE_REPLICATION_FACTOR", "ROLLWIRE_MIN_INSYNC_REPLICAS"):
+        monkeypatch.delenv(name, raising=False)
+    config = KafkaConfig(home=tmp_path)
+    (tmp_path / "cluster.json").write_text(json.dumps({"cluster_id": "MkU3OEVBNTcwNTJENDM2Qk", "nodes": [
+        {"node_id": i, "port": 42000 + 2 * i, "controller_port": 42001 + 2 * i} for i in (1, 2, 3)]}))
+    found = stack.local_cluster(config)
+    assert found is not None and [n.config.cluster_id for n in found.nodes] == ["MkU3OEVBNTcwNTJENDM2Qk"] * 3
+    settings = stack.managed_settings(config)
+    assert settings.kafka_bootstrap == "127.0.0.1:42002,127.0.0.1:42004,127.0.0.1:42006"
+    assert settings.replication_factor == 3 and settings.min_insync_replicas == 2
+    with pytest.raises(DeployError, match="holds a 3-broker cluster, not 5"):
+        stack.local_cluster(config, 5)
+    assert stack.local_cluster(KafkaConfig(home=tmp_path / "elsewhere"), 1) is None  # one node: no cluster
+    (tmp_path / "cluster.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a cluster layout"):
+        KafkaCluster.load(config)
+
+
+@pytest.mark.parametrize("bad", [
+    {"brokers": 0}, {"brokers": 2, "ports": [(1, 2)]}, {"brokers": 2, "ports": [(1, 2), (2, 3)]},
+])
+def test_bad_cluster_layouts_fail_in_the_constructor(bad: dict[str, object], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        node_configs(KafkaConfig(home=tmp_path), **bad)  # type: ignore[arg-type]
+
+
+def test_replication_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="ROLLWIRE_MIN_INSYNC_REPLICAS=3 exceeds ROLLWIRE_REPLICATION_FACTOR=2"):
+        KafkaSettings(replication_factor=2, min_insync_replicas=3)
 
 
 def test_larger_events_raise_the_broker_limits() -> None:
@@ -121,6 +196,7 @@ def test_config_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
 @pytest.mark.parametrize("bad", [
     {"version": "3.9.0"}, {"version": "latest"}, {"port": 70000}, {"port": 19092, "controller_port": 19092},
     {"host": "0.0.0.0"}, {"heap": "768m"}, {"max_message_bytes": 0},
+    {"node_id": 2, "quorum": ("1@127.0.0.1:19093",)},
 ])
 def test_bad_settings_fail_in_the_constructor(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
@@ -151,6 +227,33 @@ def test_compose_runs_the_same_broker() -> None:
     assert topics["depends_on"]["kafka"]["condition"] == "service_healthy"
     assert topics["environment"]["ROLLWIRE_KAFKA_BOOTSTRAP"] == "kafka:9092"
     assert "rollwire up" in " ".join(topics["command"])
+
+
+def test_compose_cluster_profile_runs_three_replicating_brokers() -> None:
+    """The `cluster` profile: three nodes with one quorum and cluster id, replication 3 / min ISR 2, unclean
+    election off, and a topics service that creates rollwire's topics with the same replication."""
+    services = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]
+    nodes = [services[f"kafka-{i}"] for i in (1, 2, 3)]
+    envs = [node["environment"] for node in nodes]
+    assert all(node["profiles"] == ["cluster"] and node["image"] == f"apache/kafka:{DEFAULT_VERSION}" for node in nodes)
+    assert [env["KAFKA_NODE_ID"] for env in envs] == ["1", "2", "3"]
+    assert len({env["CLUSTER_ID"] for env in envs}) == 1 and len(envs[0]["CLUSTER_ID"]) == 22
+    assert {env["KAFKA_CONTROLLER_QUORUM_VOTERS"] for env in envs} == {"1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"}
+    for i, (node, env) in enumerate(zip(nodes, envs, strict=True), start=1):
+        assert env["KAFKA_ADVERTISED_LISTENERS"].startswith(f"INTERNAL://kafka-{i}:9092,")
+        assert node["volumes"] == [f"kafka-{i}-data:/var/lib/kafka/data"]
+        assert env["KAFKA_DEFAULT_REPLICATION_FACTOR"] == "3" and env["KAFKA_MIN_INSYNC_REPLICAS"] == "2"
+        assert env["KAFKA_UNCLEAN_LEADER_ELECTION_ENABLE"] == "false"
+        assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "3"
+        assert env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"] == "2"
+        assert int(env["KAFKA_MESSAGE_MAX_BYTES"]) == MAX_MESSAGE_BYTES + BATCH_OVERHEAD_BYTES
+    assert len({port for node in nodes for port in node["ports"]}) == 3
+    topics = services["topics-cluster"]
+    assert set(topics["depends_on"]) == {"kafka-1", "kafka-2", "kafka-3"}
+    env = topics["environment"]
+    assert env["ROLLWIRE_KAFKA_BOOTSTRAP"] == "kafka-1:9092,kafka-2:9092,kafka-3:9092"
+    assert (env["ROLLWIRE_REPLICATION_FACTOR"], env["ROLLWIRE_MIN_INSYNC_REPLICAS"]) == ("3", "2")
+    assert "kafka" in services and "profiles" not in services["kafka"]  # the single node stays the default
 
 
 # --- a real broker -------------------------------------------------------------------------------------------

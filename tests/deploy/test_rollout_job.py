@@ -199,6 +199,24 @@ def _task_repo(root: Path) -> Path:
     return repo
 
 
+def _page_when_it_shows(summary: str, session_id: str, timeout_s: float = 60) -> str:
+    """The session page the summary links, once the web page's view has read the session's calls."""
+    import time
+
+    import httpx
+
+    url = next(line.split()[-1] for line in summary.splitlines() if line.strip().startswith("session")
+               and line.rstrip().endswith(f"/sessions/{session_id}"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.get(url, timeout=10)
+        if response.status_code == 200 and response.text.count('<tr class="call ') >= 2:
+            return response.text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url}: {response.status_code} {response.text[:2000]}")
+        time.sleep(0.5)
+
+
 def test_job_runs_sessions_and_delivers_rewards_groups_and_sft(kafka_bootstrap: str, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole job in a private home and topic prefix over the stand-in engine: it starts a proxy,
@@ -229,6 +247,7 @@ def test_job_runs_sessions_and_delivers_rewards_groups_and_sft(kafka_bootstrap: 
                             "ROLLWIRE_PROCESSORS_STORE": "memory", "ROLLWIRE_ROLLOUT_PORT": str(free_port()),
                             "ROLLWIRE_GATEWAY_PORT": str(free_port()), "ROLLWIRE_GROUPS_PORT": str(free_port()),
                             "ROLLWIRE_GROUPS_STORE": "memory", "ROLLWIRE_SESSION_PARTITIONS": "2",
+                            "ROLLWIRE_UI_PORT": str(free_port()),
                             "ROLLWIRE_TASK_PARTITIONS": "1"}.items():
             monkeypatch.setenv(name, value)
         console = Console(record=True, width=220, color_system=None)
@@ -238,13 +257,18 @@ def test_job_runs_sessions_and_delivers_rewards_groups_and_sft(kafka_bootstrap: 
             task_id = next(line.split("/v1/tasks/")[1].split("/")[0] for line in console.export_text(clear=False).splitlines()
                            if "/v1/tasks/job-r" in line)
             groups = asyncio.run(read_groups(kafka, [task_id], [task_id], 0))
+            page = _page_when_it_shows(console.export_text(clear=False), f"{task_id}-s0")
         finally:
-            for base_service in ("proxy", "processors"):  # the base stack stays up after a job: stop it here
+            for base_service in ("proxy", "processors", "ui"):  # the base stack stays up after a job: stop it here
                 ServiceProcess(name=base_service, args=(), health_url=None).stop()
             asyncio.run(delete_topics(kafka_bootstrap, kafka.topic_prefix))  # the workers' own topics too
     text = console.export_text()
-    for part in ("proxy", "processors", "rollout-server", "gateway-node", "evaluator tests", "groups"):
+    for part in ("proxy", "processors", "ui", "rollout-server", "gateway-node", "evaluator tests", "groups"):
         assert f"{part:<16} started" in text, text
+    # The summary links the run's page and each session's, and the session's page shows its calls.
+    run_id = task_id.rsplit("-r", 1)[1]
+    assert f"/runs/{run_id}" in text and f"/sessions/{task_id}-s1" in text, text
+    assert "<h2>Calls</h2>" in page and page.count('<tr class="call ') == 2, page[:4000]
     assert "stopped groups" in text and "stopped gateway-node" in text, text
     assert code == 0, text
     assert "submitted 1 tasks, 2 sessions" in text and "rollout summary" in text, text

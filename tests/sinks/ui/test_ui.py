@@ -51,8 +51,15 @@ from tests.processors.worker_process import WorkerProcess, read_events
 from tests.proxy.conftest import auth, proxy_settings
 from tests.servers import serve
 
-pytestmark = [pytest.mark.kafka, pytest.mark.skipif(chromium_path() is None, reason=(
-    "no chromium: `apt-get install -y chromium` (Debian's package; .ci/run installs it)"))]
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture(autouse=True)
+def _chromium() -> None:
+    # Not a skip: a browser is software that installs anywhere, not missing hardware.
+    if chromium_path() is None:
+        pytest.fail("no chromium: `apt-get install -y chromium` (Debian's package; .ci/run installs it), or "
+                    "set ROLLWIRE_CHROMIUM to a Chromium binary")
 
 RUN_ID = "2611240900ab"
 TASK_ID = f"fix-r{RUN_ID}"
