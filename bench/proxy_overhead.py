@@ -2,13 +2,21 @@
 
 One run starts the project's Kafka (or uses ``ROLLWIRE_KAFKA_BOOTSTRAP``), the stand-in engine (fixed
 20 ms latency, recorded vLLM stream shapes, about 4 bytes per token), and the proxy with durable capture
-(every reply's end waits for Kafka's ack). 64 concurrent clients stream realistic 30–50 KB harness
-requests, alternating rounds direct and through the proxy so that both see the same machine noise.
+(every reply's end waits for Kafka's ack). N concurrent clients stream realistic 30–50 KB harness
+requests, rounds alternating between the paths so that all see the same machine noise. With ``--peers``
+the paths also include a bare nginx reverse proxy and LiteLLM's proxy in front of the same stand-in
+(:mod:`bench.peers`; one that is not installed is skipped with the reason); with ``--baseline-tree DIR``
+also the proxy of another source tree (an earlier commit), so that a change is measured against what it
+changed under the same machine noise.
 
-Prints: direct and through latency percentiles (time to the end of the stream), the added latency at
-p50 and p99, throughputs and their ratio, and events recorded. Key figure last.
+Prints: direct latency percentiles (time to the end of the stream); per peer its added latency at p50
+and p99 and its throughput ratio to direct; rollwire's (``through``) the same, the mean of each proxy
+stage per call from its ``/metrics`` (parse, upstream wait, relay, capture: the wait for Kafka's ack)
+with the ack's share of the added p50, and rollwire's added p50 over each peer's. Key figure last:
+rollwire's ``added_p50_ms``.
 
-    python -m bench.proxy_overhead [--concurrency 64] [--rounds 4] [--requests-per-client 4] [--token-api]
+    python -m bench.proxy_overhead [--peers] [--baseline-tree DIR] [--concurrency 64] [--rounds 4] [--requests-per-client 2]
+        [--token-interval-ms 8] [--token-api]
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import httpx
 import orjson
 
 from bench.harness_requests import harness_requests
+from bench.peers import Peer, PeerMissing, start_litellm, start_nginx
 from deploy.kafka import KafkaBroker, KafkaConfig
 from schemas.transport import KafkaSettings, broker_answers, ensure_topics
 
@@ -38,10 +47,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawn(args: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], env: dict[str, str], log: str, cwd: str | None = None) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, *args], env={**os.environ, **env}, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, cwd=cwd)
 
 
 def _wait_http(url: str, timeout_s: float = 60) -> None:
@@ -97,6 +106,35 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used so far, from /proc (Linux); 0 elsewhere."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _metric_sums(text: str, name: str) -> dict[str, float]:
+    """``{stage: value}`` of one stage histogram series (``_sum`` or ``_count``) on a /metrics page."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and 'api="openai.chat"' in line:
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            out[stage] = out.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _stage_means(before: str, after: str) -> dict[str, float]:
+    """Mean milliseconds per call of each proxy stage between two /metrics pages (empty on a proxy
+    without the stage histogram)."""
+    name = "rollwire_proxy_stage_seconds"
+    sums0, sums1 = _metric_sums(before, name + "_sum"), _metric_sums(after, name + "_sum")
+    counts0, counts1 = _metric_sums(before, name + "_count"), _metric_sums(after, name + "_count")
+    return {stage: (sums1[stage] - sums0.get(stage, 0.0)) * 1000 / (counts1[stage] - counts0.get(stage, 0.0))
+            for stage in sums1 if counts1[stage] > counts0.get(stage, 0.0)}
+
+
 async def run(args: argparse.Namespace) -> None:
     bootstrap = os.environ.get("ROLLWIRE_KAFKA_BOOTSTRAP")
     broker = None
@@ -118,41 +156,88 @@ async def run(args: argparse.Namespace) -> None:
                     "--engine-url", f"http://127.0.0.1:{standin_port}"],
                    {"ROLLWIRE_KAFKA_BOOTSTRAP": bootstrap, "ROLLWIRE_TOPIC_PREFIX": prefix,
                     "ROLLWIRE_SERVED_MODEL": "rollwire-tiny"}, args.log_prefix + "proxy.log")
+    baseline: subprocess.Popen[bytes] | None = None
+    baseline_port = _free_port()
+    if args.baseline_tree:
+        # Another source tree's proxy (e.g. an earlier commit checked out elsewhere), on topics of its own so
+        # that the two session registries do not meet; `-m` from that folder imports that tree's code.
+        baseline_prefix = prefix.rstrip(".") + "b."
+        await ensure_topics(KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=baseline_prefix))
+        baseline = _spawn(["-m", "deploy.cli", "proxy", "--port", str(baseline_port),
+                           "--engine-url", f"http://127.0.0.1:{standin_port}"],
+                          {"ROLLWIRE_KAFKA_BOOTSTRAP": bootstrap, "ROLLWIRE_TOPIC_PREFIX": baseline_prefix,
+                           "ROLLWIRE_SERVED_MODEL": "rollwire-tiny"}, args.log_prefix + "baseline.log",
+                          cwd=args.baseline_tree)
+    peers: list[Peer] = []
     try:
         _wait_http(f"http://127.0.0.1:{standin_port}/health")
         _wait_http(f"http://127.0.0.1:{proxy_port}/health")
+        if baseline is not None:
+            _wait_http(f"http://127.0.0.1:{baseline_port}/health")
+        if args.peers:
+            for name, start in (("nginx", lambda: start_nginx(standin_port, args.log_prefix)),
+                                ("litellm", lambda: start_litellm(standin_port, "rollwire-tiny", args.log_prefix))):
+                try:
+                    peers.append(start())
+                    print(f"# peer {name}: {peers[-1].version} at {peers[-1].chat_url}", flush=True)
+                except PeerMissing as exc:
+                    print(f"# peer {name} skipped: {exc}", flush=True)
         direct_url = f"http://127.0.0.1:{standin_port}/v1/chat/completions"
+        print(f"# direct: {direct_url}; rollwire: http://127.0.0.1:{proxy_port}", flush=True)
         # Below uvicorn's 5 s keep-alive, so that no request goes out on a connection the server closed.
         limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2,
                               keepalive_expiry=2.0)
         # Encoded once up front: the client's own work should not depend on the path measured.
         bodies = [orjson.dumps(b) for b in harness_requests(args.concurrency)]
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            sessions = []
-            for i in range(args.concurrency):
-                created = await client.post(f"http://127.0.0.1:{proxy_port}/v1/sessions",
-                                            json={"session_id": f"bench-{i}"})
-                created.raise_for_status()
-                sessions.append(created.json())
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
             json_type = {"content-type": "application/json"}
-            through = [(f"{s['base_urls']['openai']}/chat/completions",
-                        {**json_type, "authorization": f"Bearer {s['api_key']}"}) for s in sessions]
-            direct = [(direct_url, json_type) for _ in sessions]
-            # Warm both paths (connections, JIT-free but caches and producer metadata).
-            await _round(direct, bodies, 1, client)
-            await _round(through, bodies, 1, client)
-            results: dict[str, list[float]] = {"direct": [], "through": []}
-            elapsed = {"direct": 0.0, "through": 0.0}
+
+            async def session_targets(port: int) -> list[tuple[str, dict[str, str]]]:
+                targets = []
+                for i in range(args.concurrency):
+                    created = await client.post(f"http://127.0.0.1:{port}/v1/sessions",
+                                                json={"session_id": f"bench-{i}"})
+                    created.raise_for_status()
+                    session = created.json()
+                    targets.append((f"{session['base_urls']['openai']}/chat/completions",
+                                    {**json_type, "authorization": f"Bearer {session['api_key']}"}))
+                return targets
+
+            paths: dict[str, list[tuple[str, dict[str, str]]]] = {
+                "direct": [(direct_url, json_type)] * args.concurrency,
+                "through": await session_targets(proxy_port),
+            }
+            if baseline is not None:
+                paths["baseline"] = await session_targets(baseline_port)
+            sessions = paths["direct"]
+            for peer in peers:
+                paths[peer.name] = [(peer.chat_url, peer.headers) for _ in sessions]
+            # Warm every path (connections, caches, producer metadata).
+            for targets in paths.values():
+                await _round(targets, bodies, 1, client)
+            metrics_before = (await client.get(f"http://127.0.0.1:{proxy_port}/metrics")).text
+            results: dict[str, list[float]] = {name: [] for name in paths}
+            elapsed = {name: 0.0 for name in paths}
+            cpu_of = {"through": proxy, **({"baseline": baseline} if baseline is not None else {})}
+            proxy_cpu = {name: 0.0 for name in cpu_of}
             for _ in range(args.rounds):
-                for name, targets in (("direct", direct), ("through", through)):
+                for name, targets in paths.items():
+                    process = cpu_of.get(name)
+                    cpu = _cpu_seconds(process.pid) if process is not None else 0.0
                     latencies, seconds = await _round(targets, bodies, args.requests_per_client, client)
+                    if process is not None:
+                        proxy_cpu[name] += _cpu_seconds(process.pid) - cpu
                     results[name] += latencies
                     elapsed[name] += seconds
             health = (await client.get(f"http://127.0.0.1:{proxy_port}/metrics")).text
     finally:
-        proxy.terminate()
+        for peer in peers:
+            peer.stop()
+        for server in (proxy, baseline):
+            if server is not None:
+                server.terminate()
+                server.wait(10)
         standin.terminate()
-        proxy.wait(10)
         standin.wait(10)
         if broker is not None and args.stop_kafka:
             broker.stop()
@@ -160,18 +245,43 @@ async def run(args: argparse.Namespace) -> None:
     recorded = sum(float(line.rsplit(" ", 1)[1]) for line in health.splitlines()
                    if line.startswith('rollwire_proxy_completion_events_total{status="ok"}'))
     d, t = results["direct"], results["through"]
+    direct_rps = len(d) / elapsed["direct"]
+    print(f"concurrency={args.concurrency}")
     print(f"requests_per_path={len(d)}")
     print(f"request_kb_mean={statistics.mean(len(b) for b in bodies) / 1024:.1f}")
     print(f"direct_p50_ms={_pct(d, 0.5):.2f}")
     print(f"direct_p99_ms={_pct(d, 0.99):.2f}")
+    print(f"direct_rps={direct_rps:.1f}")
+    others = [peer.name for peer in peers] + (["baseline"] if baseline is not None else [])
+    for name in others:
+        p = results[name]
+        print(f"{name}_p50_ms={_pct(p, 0.5):.2f}")
+        print(f"{name}_p99_ms={_pct(p, 0.99):.2f}")
+        print(f"{name}_added_p50_ms={_pct(p, 0.5) - _pct(d, 0.5):.2f}")
+        print(f"{name}_added_p99_ms={_pct(p, 0.99) - _pct(d, 0.99):.2f}")
+        print(f"{name}_throughput_ratio={(len(p) / elapsed[name]) / direct_rps:.3f}")
+        if name in proxy_cpu:
+            print(f"{name}_proxy_cpu_ms_per_request={proxy_cpu[name] * 1000 / len(p):.2f}")
     print(f"through_p50_ms={_pct(t, 0.5):.2f}")
     print(f"through_p99_ms={_pct(t, 0.99):.2f}")
-    print(f"direct_rps={len(d) / elapsed['direct']:.1f}")
     print(f"through_rps={len(t) / elapsed['through']:.1f}")
     print(f"events_recorded={int(recorded)}")
+    # The proxy's own CPU per call (its rounds only): steadier than latencies on a busy machine.
+    print(f"through_proxy_cpu_ms_per_request={proxy_cpu['through'] * 1000 / len(t):.2f}")
+    added_p50 = _pct(t, 0.5) - _pct(d, 0.5)
+    stages = _stage_means(metrics_before, health)
+    for stage in ("parse", "upstream_wait", "relay", "capture"):
+        if stage in stages:
+            print(f"stage_{stage}_mean_ms={stages[stage]:.2f}")
+    if "capture" in stages:
+        # The ack (Kafka capture) is the one stage that lies wholly inside the added time.
+        print(f"ack_share_of_added_p50={stages['capture'] / added_p50 if added_p50 > 0 else float('nan'):.2f}")
+    for name in others:
+        other_added = _pct(results[name], 0.5) - _pct(d, 0.5)
+        print(f"rollwire_over_{name}_added_p50={added_p50 / other_added if other_added > 0 else float('nan'):.3f}")
     print(f"added_p99_ms={_pct(t, 0.99) - _pct(d, 0.99):.2f}")
-    print(f"throughput_ratio={(len(t) / elapsed['through']) / (len(d) / elapsed['direct']):.3f}")
-    print(f"added_p50_ms={_pct(t, 0.5) - _pct(d, 0.5):.2f}")
+    print(f"throughput_ratio={(len(t) / elapsed['through']) / direct_rps:.3f}")
+    print(f"added_p50_ms={added_p50:.2f}")
 
 
 def main() -> None:
@@ -186,6 +296,12 @@ def main() -> None:
         "The stand-in serves vLLM's token endpoints, so the proxy takes its exact-continuation path (render, "
         "generate, derender; the stream synthesized once the turn is parsed) instead of relaying chat streams."))
     parser.add_argument("--log-prefix", default="/tmp/rollwire-bench-", help="Where the servers' logs go.")
+    parser.add_argument("--peers", action="store_true", help=(
+        "Also measure a bare nginx reverse proxy and LiteLLM's proxy in front of the same stand-in "
+        "(bench/peers.py); a peer that is not installed is skipped with the reason."))
+    parser.add_argument("--baseline-tree", help=(
+        "Also measure the proxy of another source tree (e.g. `git worktree add /tmp/base HEAD~3`) as path "
+        "`baseline`, beside this one in the same run."))
     parser.add_argument("--stop-kafka", action="store_true", help="Stop the broker if this run started it.")
     asyncio.run(run(parser.parse_args()))
 

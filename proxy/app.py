@@ -44,6 +44,7 @@ from proxy.policy import Policy
 from proxy.providers import ParsedCall, ProviderAdapter, Route
 from proxy.session_registry import LiveSession, RegistryFeed, SessionRegistry
 from proxy.settings import ProxySettings
+from proxy.stages import StageTimes
 from proxy.weight_api import WeightApi
 from schemas.api import PolicyState, SessionCreate, SessionCreated, SessionEnd, SessionState, WeightUpdate
 from schemas.completions import NormalizedRequest, ProviderApi
@@ -98,7 +99,7 @@ def _retry_count(header: str) -> int:
 
 
 def _context(request: Request, api: ProviderApi, session: LiveSession, raw: bytes | None,
-             keep_body: bool) -> CallContext:
+             keep_body: bool, started: float) -> CallContext:
     """Number the call (from here on it will have an event) and gather what is known before parsing."""
     digest = body_digest(raw) if raw is not None else None
     retry_count = _retry_count(request.headers.get("x-stainless-retry-count", "0"))
@@ -109,7 +110,8 @@ def _context(request: Request, api: ProviderApi, session: LiveSession, raw: byte
     return CallContext(api=api, session_id=session.session_id, task_id=session.spec.task_id,
                        policy_version=None, sequence=sequence,
                        requested_model=None, served_model=None, digest=digest, body=body,
-                       retry_of=retry_of, retry_count=retry_count, agent_hints=hints)
+                       retry_of=retry_of, retry_count=retry_count, agent_hints=hints,
+                       stages=StageTimes(started=started))
 
 
 # Bodies above this are decoded and parsed in a worker thread, so one large request (or one that inflates
@@ -149,7 +151,9 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = ProxyMetrics()
         registry = SessionRegistry()
-        recorder = Recorder(kafka, settings.capture_timeout_s)
+        recorder = Recorder(kafka, settings.capture_timeout_s, settings.capture_producers,
+                            on_outage_end=metrics.capture_outages.observe)
+        metrics.capture_failing.set_function(lambda: float(recorder.failing_since is not None))
         engine = VllmEngine(settings, transport=engine_transport)
         policy = Policy(WeightApi(engine.client, settings.weight_update_timeout_s), recorder, metrics,
                         engine.served_model, settings.policy_floor_wait_s)
@@ -198,7 +202,7 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
                 require_json_media_type(request)
                 raw = await read_body(request, state.max_body_bytes)
             finally:
-                ctx = _context(request, provider.name, session, raw, settings.record_request_body)
+                ctx = _context(request, provider.name, session, raw, settings.record_request_body, started)
             assert raw is not None
             document, call = await _parse(provider, raw, route)
             normalized = call.request
@@ -206,7 +210,11 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             if not call.stream:
                 turn = await state.service.whole(ctx, session, call.request)
                 status = 200
-                return JSONResponse(call.renderer.response(turn))
+                rendering = time.perf_counter()
+                reply = JSONResponse(call.renderer.response(turn))
+                ctx.stages.relay = time.perf_counter() - rendering
+                state.metrics.stages(provider.name, ctx.stages)
+                return reply
             chunks = state.service.stream(ctx, session, call.request, call.renderer)
             first = await anext(chunks, None)
             status = 200

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any
@@ -103,10 +104,12 @@ class CallService:
         """Record a served call (as a delta against ``parent`` where that is smaller) and return its link,
         the parent of its branch's next call."""
         _check_turn(turn)
+        started = time.perf_counter()
         full = completion_event(ctx, request, turn)
         written = full if parent is None else \
             delta_against(full, parent, keyframe_every=KEYFRAME_EVERY, keyframe_growth=KEYFRAME_GROWTH)
         await self.recorder.record_completion(written)
+        ctx.stages.capture = time.perf_counter() - started
         return next_link(full, written, parent)
 
     async def _admit(self, ctx: CallContext, session: LiveSession) -> Admission:
@@ -138,6 +141,7 @@ class CallService:
             admission = await self._admit(ctx, session)
             request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
+            ctx.stages.upstream_starts()
             placement = session.branches.place(request, harness_request)
             if placement.kind != "open" and await self._exact_mode(session):
                 with contextlib.suppress(TokenApiMissing):
@@ -147,6 +151,7 @@ class CallService:
                 ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
             admission.leave()  # the engine is done: recording must not hold up a weight update's drain
             ctx.first_token_at = utcnow()
+            ctx.stages.first_bytes()
             link = await self._record_turn(ctx, request, turn, _delta_parent(placement, ctx.continuation))
         except Exception as exc:
             if admission is not None:
@@ -254,18 +259,26 @@ class CallService:
             admission = await self._admit(ctx, session)
             request, body, ctx.served_model = await self._prepare(request, stream=True)
             ctx.upstream_started_at = utcnow()
-            deltas = self.engine.stream(body)
+            ctx.stages.upstream_starts()
+            batches = self.engine.stream(body)
             try:
-                async for delta in deltas:
-                    if ctx.first_token_at is None and (delta.token_ids or delta.has_text):
-                        ctx.first_token_at = utcnow()
-                    assembler.add(delta)
-                    for chunk in renderer.stream_delta(delta):
+                async for batch in batches:
+                    ctx.stages.first_bytes()
+                    out: list[bytes] = []
+                    for delta in batch:
+                        if ctx.first_token_at is None and (delta.token_ids or delta.has_text):
+                            ctx.first_token_at = utcnow()
+                        assembler.add(delta)
+                        out += renderer.stream_delta(delta)
+                    if out:
+                        # One write for what one read brought: a proxy behind the engine catches up in
+                        # bigger writes rather than falling further behind one token at a time.
                         started = True
-                        yield chunk
+                        yield b"".join(out)
             finally:
-                await deltas.aclose()
+                await batches.aclose()
                 admission.leave()
+            ctx.stages.relayed()
             turn = assembler.turn()
             ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
             # Once the turn is whole its event is written whatever the client does: shielded, so that a
@@ -285,8 +298,7 @@ class CallService:
             await self.record_failure(ctx, request, error, assembler.turn())
             if not started:
                 raise error from exc
-            for chunk in renderer.stream_error(error):
-                yield chunk
+            yield b"".join(renderer.stream_error(error))
             return
         finally:
             if admission is not None:
@@ -299,8 +311,8 @@ class CallService:
         _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
         self.metrics.event("ok")
         self.metrics.continuation(ctx.api, ctx.continuation)
-        for chunk in renderer.stream_finish(turn):
-            yield chunk
+        self.metrics.stages(ctx.api, ctx.stages)
+        yield b"".join(renderer.stream_finish(turn))
 
     def _detach(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -310,8 +322,11 @@ class CallService:
     async def _synthetic_stream(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
                                 renderer: Renderer) -> AsyncIterator[bytes]:
         turn = await self.whole(ctx, session, request)
-        for chunk in renderer.stream_whole(turn):
-            yield chunk
+        started = time.perf_counter()
+        chunks = b"".join(renderer.stream_whole(turn))
+        ctx.stages.relay = time.perf_counter() - started
+        self.metrics.stages(ctx.api, ctx.stages)
+        yield chunks
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

@@ -20,15 +20,18 @@ so a call that failed never becomes a parent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
+import time
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from proxy.engine import EngineTurn
+from proxy.engine import EngineTurn, packed_token_ids
 from proxy.errors import CaptureFailed, ProxyError, UnrecordableEvent
+from proxy.stages import StageTimes
 from schemas.arrays import Logprobs, TokenIds
 from schemas.completions import (
     AssistantMessage,
@@ -72,6 +75,7 @@ class CallContext:
     first_token_at: datetime | None = None
     continuation: Continuation | None = None
     weight_versions: list[dict[str, Any]] | None = None
+    stages: StageTimes = field(default_factory=StageTimes)
 
 
 EMPTY_REQUEST = NormalizedRequest(messages=[])
@@ -131,60 +135,107 @@ def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineT
         retry_of=ctx.retry_of, retry_count=ctx.retry_count, timings=timings,
         continuation=ctx.continuation, weight_versions=ctx.weight_versions,
         status=status, error=call_error,
-        prompt_token_ids=TokenIds(tokens.prompt_token_ids) if tokens is not None else None,
-        token_ids=TokenIds(tokens.token_ids) if tokens is not None else None,
+        prompt_token_ids=_prompt_ids(tokens) if tokens is not None else None,
+        token_ids=packed_token_ids(tokens.token_ids) if tokens is not None else None,
         logprobs=Logprobs(logprobs) if logprobs is not None else None,
         finish_reason=finish_reason, message=message,
         usage=tokens.usage if tokens is not None else Usage(),
     )
 
 
-class Recorder:
-    """Writes the proxy's events (completions, ad-hoc session specs) and waits for the broker's ack."""
+def _prompt_ids(turn: EngineTurn) -> TokenIds:
+    packed = turn.packed_prompt
+    if packed is not None and len(packed) == len(turn.prompt_token_ids):
+        return packed
+    return packed_token_ids(turn.prompt_token_ids)
 
-    def __init__(self, settings: KafkaSettings, timeout_s: float) -> None:
+
+class Recorder:
+    """Writes the proxy's events (completions, ad-hoc session specs) and waits for the broker's ack.
+
+    ``producers`` (``ROLLWIRE_CAPTURE_PRODUCERS``): how many producers share the writes. aiokafka keeps
+    one produce request in flight per broker, so under many concurrent calls their acks queue behind each
+    other; with several producers several requests are in flight. An event goes to the producer its key
+    picks, so a session's events (the key of completions) keep their order through one producer.
+    """
+
+    def __init__(self, settings: KafkaSettings, timeout_s: float, producers: int = 1,
+                 on_outage_end: Callable[[float], None] | None = None) -> None:
+        if producers < 1:
+            raise ValueError(f"a recorder needs at least one producer, got {producers}")
         self.settings = settings
         self.timeout_s = timeout_s
-        self._producer: EventProducer | None = None
-        self._lock = asyncio.Lock()
+        self._producers: list[EventProducer | None] = [None] * producers
+        self._locks = [asyncio.Lock() for _ in range(producers)]
         self.recorded = 0
         self.failures = 0
+        # An outage: from the first capture that failed to the next that succeeded (harnesses got retryable
+        # errors meanwhile: Kafka down, or no leader for a partition while it moved). Its length is reported
+        # to ``on_outage_end`` when it is over.
+        self.failing_since: float | None = None
+        self._on_outage_end = on_outage_end
 
-    async def _ready_producer(self) -> EventProducer:
-        async with self._lock:
-            if self._producer is None:
+    def _failed(self) -> None:
+        self.failures += 1
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+
+    def _succeeded(self) -> None:
+        self.recorded += 1
+        if self.failing_since is not None:
+            outage, self.failing_since = time.monotonic() - self.failing_since, None
+            logger.warning("capture recovered after %.1f s of failures", outage)
+            if self._on_outage_end is not None:
+                self._on_outage_end(outage)
+
+    def _slot(self, event: Event) -> int:
+        if len(self._producers) == 1:
+            return 0
+        return zlib.crc32(event.key()) % len(self._producers)
+
+    async def _ready_producer(self, slot: int = 0) -> EventProducer:
+        async with self._locks[slot]:
+            producer = self._producers[slot]
+            if producer is None:
                 producer = EventProducer(self.settings, service="proxy")
                 await asyncio.wait_for(producer.start(), self.timeout_s)
-                self._producer = producer
-            return self._producer
+                self._producers[slot] = producer
+            return producer
 
     async def start(self) -> None:
         """Connect now if Kafka is there; if not, the first record() tries again."""
-        with contextlib.suppress(TransportError, TimeoutError):
-            await self._ready_producer()
+        results = await asyncio.gather(*(self._ready_producer(slot) for slot in range(len(self._producers))),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, TransportError | TimeoutError):
+                raise result
 
     async def stop(self) -> None:
-        if self._producer is not None:
-            await self._producer.stop()
-            self._producer = None
+        for slot, producer in enumerate(self._producers):
+            if producer is not None:
+                self._producers[slot] = None
+                await producer.stop()
 
     async def ensure_ready(self) -> None:
         """Fail fast (CaptureFailed) when no producer can be had, before any token is served."""
-        if self._producer is not None:
+        if self._producers[0] is not None:
             return
         try:
             await self._ready_producer()
         except (TransportError, TimeoutError, OSError) as exc:
-            self.failures += 1
+            self._failed()
             raise CaptureFailed(f"Kafka is unavailable, so the call cannot be recorded ({exc!r}); "
                                 "retry shortly") from exc
 
     async def record(self, event: Event) -> None:
         """Return once the broker has ``event``; raise CaptureFailed (Kafka failed, retryable) or
         UnrecordableEvent (this event can never be written as it is)."""
+        slot = self._slot(event)
         try:
-            producer = await self._ready_producer()
-            await asyncio.wait_for(producer.send(event), self.timeout_s)
+            producer = await self._ready_producer(slot)
+            # asyncio.timeout, not wait_for: no task of its own, so one loop turn less before the ack counts.
+            async with asyncio.timeout(self.timeout_s):
+                await producer.send(event)
         except EventTooLargeError as exc:
             raise UnrecordableEvent(f"the call is too large to record: {exc}") from exc
         except (TypeError, ValueError, RecursionError) as exc:
@@ -192,10 +243,10 @@ class Recorder:
             logger.warning("event %s not encodable: %r", event.event_id, exc)
             raise UnrecordableEvent(f"the call cannot be recorded: its event is not encodable ({exc})") from exc
         except (TransportError, TimeoutError, OSError) as exc:
-            self.failures += 1
-            await self._discard_producer()
+            self._failed()
+            await self._discard_producer(slot)
             raise CaptureFailed(f"the call could not be recorded (Kafka: {exc!r}); retry shortly") from exc
-        self.recorded += 1
+        self._succeeded()
 
     async def record_completion(self, event: Completion) -> None:
         """Record a completion; if it cannot be written as it is, write :func:`slimmed` and raise the reason
@@ -207,13 +258,13 @@ class Recorder:
             reason.recorded = True
             raise
 
-    async def _discard_producer(self) -> None:
-        async with self._lock:
-            producer, self._producer = self._producer, None
+    async def _discard_producer(self, slot: int) -> None:
+        async with self._locks[slot]:
+            producer, self._producers[slot] = self._producers[slot], None
         if producer is not None:
             # Stopping flushes; with the broker gone that can hang, so let it finish in the background.
             asyncio.get_running_loop().create_task(producer.stop())
 
     @property
     def connected(self) -> bool:
-        return self._producer is not None
+        return any(producer is not None for producer in self._producers)

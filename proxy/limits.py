@@ -34,8 +34,12 @@ MAX_JSON_DEPTH = 64
 def json_depth_error(document: Any, max_depth: int = MAX_JSON_DEPTH) -> str | None:
     """Where ``document`` nests deeper than ``max_depth`` (a dotted path), or None when it does not.
 
-    Iterative, so that a pathological document cannot exhaust Python's own recursion limit.
+    Iterative, so that a pathological document cannot exhaust Python's own recursion limit. A first pass
+    counts container levels only (no paths: this runs on every request body); the path is traced only for
+    a document that is too deep.
     """
+    if not _deeper_than(document, max_depth):
+        return None
     stack: list[tuple[Any, int, str]] = [(document, 1, "")]
     while stack:
         value, depth, path = stack.pop()
@@ -52,6 +56,22 @@ def json_depth_error(document: Any, max_depth: int = MAX_JSON_DEPTH) -> str | No
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
     return None
+
+
+def _deeper_than(document: Any, max_depth: int) -> bool:
+    """Whether a container nests more than ``max_depth`` levels deep (level by level, breadth first)."""
+    level = [document] if isinstance(document, dict | list) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > max_depth:
+            return True
+        below: list[Any] = []
+        for value in level:
+            children = value.values() if isinstance(value, dict) else value
+            below.extend(child for child in children if isinstance(child, dict | list))
+        level = below
+    return False
 
 
 def check_depth(document: Any, where: str = "", max_depth: int = MAX_JSON_DEPTH) -> None:

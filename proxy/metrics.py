@@ -1,4 +1,5 @@
-"""Prometheus metrics for the proxy: requests, errors, latency, completion events by status, how prompts
+"""Prometheus metrics for the proxy: requests, errors, latency and where it went (stages: parse, upstream
+wait, relay, capture), completion events by status, how prompts
 were built (exact continuations, new branches and why, drift a full re-render would have had), and the
 policy: weight updates by status, how long calls were held, the calls held now, the version serving."""
 
@@ -8,9 +9,12 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.stages import StageTimes
 from schemas.completions import Continuation
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Stages run from a fraction of a millisecond (parse, capture) to a long reply's whole relay.
+_STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
@@ -25,6 +29,16 @@ class ProxyMetrics:
                               registry=self.registry)
         self.latency = Histogram("rollwire_proxy_request_seconds", "Time to serve a model call.", ["api"],
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.stage_seconds = Histogram(
+            "rollwire_proxy_stage_seconds", "Where a served call's time went, observed once per stage and call "
+            "(proxy/stages.py): parse, upstream_wait, relay, capture (the wait for Kafka's ack).",
+            ["api", "stage"], buckets=_STAGE_BUCKETS, registry=self.registry)
+        self.capture_outages = Histogram(
+            "rollwire_proxy_capture_outage_seconds", "How long captures failed before one succeeded again "
+            "(Kafka down, or a partition without a leader while it moved): harnesses got retryable errors "
+            "meanwhile.", buckets=_PAUSE_BUCKETS, registry=self.registry)
+        self.capture_failing = Gauge("rollwire_proxy_capture_failing", "1 while captures fail (an outage "
+                                     "not over yet), else 0.", registry=self.registry)
         self.events = Counter("rollwire_proxy_completion_events", "Completion events recorded, by status.",
                               ["status"], registry=self.registry)
         self.continuations = Counter(
@@ -51,6 +65,14 @@ class ProxyMetrics:
 
     def error(self, api: str, kind: str) -> None:
         self.errors.labels(api=api, kind=kind).inc()
+
+    def stages(self, api: str, times: StageTimes) -> None:
+        """Observe a served call's four stages (nothing if one of them was not timed)."""
+        done = times.done()
+        if done is None:
+            return
+        for stage, seconds in done.items():
+            self.stage_seconds.labels(api=api, stage=stage).observe(seconds)
 
     def event(self, status: str) -> None:
         self.events.labels(status=status).inc()

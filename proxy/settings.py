@@ -27,6 +27,11 @@ class ProxySettings(BaseSettings):
     engine_connect_timeout_s: float = Field(default=5.0, gt=0)
     engine_timeout_s: float = Field(default=600.0, gt=0, description="Longest wait for the engine's reply.")
     capture_timeout_s: float = Field(default=15.0, gt=0, description="Longest wait for Kafka to ack an event.")
+    capture_producers: int = Field(default=4, ge=1, le=16, description=(
+        "Kafka producers sharing the proxy's writes, each with its own request in flight (a session's "
+        "events always through the same one, so they keep their order). aiokafka keeps one request in flight "
+        "per broker and producer, so with one producer 16 streams ending together wait for each other's "
+        "acks: 4 halved the capture stage at 16 streams in bench.proxy_overhead (issue 17)."))
     session_wait_s: float = Field(default=3.0, ge=0, description=(
         "How long an unknown session id or key waits for the registry to catch up before a 401."))
     upstream_stream: bool = Field(default=True, description=(

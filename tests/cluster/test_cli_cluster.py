@@ -53,7 +53,7 @@ def test_up_with_three_brokers_then_status_and_down(monkeypatch: pytest.MonkeyPa
         monkeypatch.delenv(name, raising=False)
     runner = CliRunner()
     try:
-        up = runner.invoke(app, ["up", "--brokers", "3", "--no-engine", "--no-proxy", "--no-processors"])
+        up = runner.invoke(app, ["up", "--brokers", "3", "--no-engine", "--no-proxy", "--no-processors", "--no-ui"])
         assert up.exit_code == 0, up.output
         bootstrap = ",".join(f"127.0.0.1:{base + 2 * i}" for i in range(3))
         assert f"kafka_bootstrap={bootstrap}" in up.output and "kafka_running=3" in up.output, up.output
@@ -69,9 +69,9 @@ def test_up_with_three_brokers_then_status_and_down(monkeypatch: pytest.MonkeyPa
         report = json.loads(status.output)
         assert report["kafka_managed"] and report["kafka_brokers"] == 3 and report["kafka_running"] == 3
         assert report["kafka_node2_bootstrap"] == f"127.0.0.1:{base + 2}"
-        again = runner.invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors"])
+        again = runner.invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors", "--no-ui"])
         assert again.exit_code == 0 and "topics_created=0" in again.output, again.output
-        other = runner.invoke(app, ["up", "--brokers", "1", "--no-engine", "--no-proxy", "--no-processors"])
+        other = runner.invoke(app, ["up", "--brokers", "1", "--no-engine", "--no-proxy", "--no-processors", "--no-ui"])
         assert other.exit_code == 1 and "holds a 3-broker cluster, not 1" in other.output, other.output
     finally:
         down = runner.invoke(app, ["down"])

@@ -41,17 +41,17 @@ def test_up_against_an_existing_cluster_only_creates_topics(kafka_bootstrap: str
     monkeypatch.setenv("ROLLWIRE_KAFKA_BOOTSTRAP", kafka_bootstrap)
     monkeypatch.setenv("ROLLWIRE_TOPIC_PREFIX", "upcmd.")
     monkeypatch.setenv("ROLLWIRE_KAFKA_PORT", str(_free_port()))
-    first = CliRunner().invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors"])
+    first = CliRunner().invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors", "--no-ui"])
     assert first.exit_code == 0, first.output
     assert "kafka_answers=True" in first.output and "kafka_managed=False" in first.output
     assert not (tmp_path / "kafka").exists()
-    again = CliRunner().invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors"])
+    again = CliRunner().invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors", "--no-ui"])
     assert "topics_created=0" in again.output
 
 
 def test_up_fails_clearly_when_the_named_cluster_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLWIRE_KAFKA_BOOTSTRAP", f"127.0.0.1:{_free_port()}")
-    result = CliRunner().invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors"])
+    result = CliRunner().invoke(app, ["up", "--no-engine", "--no-proxy", "--no-processors", "--no-ui"])
     assert result.exit_code == 1
     assert "no Kafka answers at ROLLWIRE_KAFKA_BOOTSTRAP" in result.output
 

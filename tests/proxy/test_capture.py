@@ -24,6 +24,14 @@ pytestmark = pytest.mark.kafka
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+def _metric(url: str, name: str) -> float:
+    """One unlabelled sample of the proxy's /metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not on /metrics")
+
+
 async def test_kafka_outage_withholds_replies_and_recovers(tmp_path: Path, standin_url: str) -> None:
     base = KafkaConfig.from_env()
     config = KafkaConfig(cache_dir=base.cache_dir, home=tmp_path / "kafka", port=free_port(),
@@ -40,13 +48,18 @@ async def test_kafka_outage_withholds_replies_and_recovers(tmp_path: Path, stand
             chat = f"{session['base_urls']['openai']}/chat/completions"
             assert httpx.post(chat, json={"messages": MESSAGES}, timeout=30, headers=auth(session)).status_code == 200
 
+            assert _metric(url, "rollwire_proxy_capture_failing") == 0.0
             broker.stop()
+            failed_at = time.monotonic()
             for stream in (False, True):
                 response = httpx.post(chat, json={"messages": MESSAGES, "stream": stream}, timeout=30,
                                       headers=auth(session))
                 assert response.status_code == 503, response.text  # retryable, and no tokens served
                 assert response.json()["error"]["code"] == "capture_failed"
                 assert "choices" not in response.json()
+            # The outage is on /metrics while it lasts ...
+            assert _metric(url, "rollwire_proxy_capture_failing") == 1.0
+            assert _metric(url, "rollwire_proxy_capture_outage_seconds_count") == 0.0
 
             broker.start(timeout_s=180)
             deadline = time.monotonic() + 60
@@ -56,6 +69,12 @@ async def test_kafka_outage_withholds_replies_and_recovers(tmp_path: Path, stand
                     break
                 await asyncio.sleep(1)
             assert response.status_code == 200, response.text
+            recovered_at = time.monotonic()
+            # ... and its length once it is over: from the first failed capture to the first good one.
+            assert _metric(url, "rollwire_proxy_capture_failing") == 0.0
+            assert _metric(url, "rollwire_proxy_capture_outage_seconds_count") == 1.0
+            outage = _metric(url, "rollwire_proxy_capture_outage_seconds_sum")
+            assert 0 < outage <= recovered_at - failed_at, (outage, recovered_at - failed_at)
             events = await proxy.completions(2)
             ok = [e for e in events if e.status == "ok"]
             assert len(ok) >= 2 and ok[-1].message.content == response.json()["choices"][0]["message"]["content"]

@@ -25,11 +25,14 @@ pytestmark = pytest.mark.kafka
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def test_session_new_then_end_closes_the_key(proxy: ProxyUnderTest) -> None:
+def test_session_new_then_end_closes_the_key(proxy: ProxyUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLWIRE_UI_URL", "http://ui.example:8799/")
     runner = CliRunner()
     created = runner.invoke(app, ["session", "new", "--proxy-url", proxy.url])
     assert created.exit_code == 0, created.output
     session = json.loads(created.output)
+    # The session's page in the web UI (ROLLWIRE_UI_URL).
+    assert session["page"] == f"http://ui.example:8799/sessions/{session['session_id']}"
     headers = {"authorization": f"Bearer {session['api_key']}"}
     assert httpx.post(f"{proxy.url}/v1/chat/completions", json=BODY, headers=headers, timeout=30).status_code == 200
 
@@ -58,7 +61,7 @@ async def test_fault8_session_new_sets_engine_fields(proxy: ProxyUnderTest, tmp_
         "--timeout-s", "600", "--api-key", "rw-fault8-key", "--metadata", '{"by": "hand"}'])
     assert created.exit_code == 0, created.output
     session = json.loads(created.output)
-    assert set(session) == {"session_id", "api_key", "base_urls"} and session["api_key"] == "rw-fault8-key"
+    assert set(session) == {"session_id", "api_key", "base_urls", "page"} and session["api_key"] == "rw-fault8-key"
 
     body = {**BODY, "max_tokens": 64, "temperature": 0.9, "seed": 1}
     headers = {"authorization": f"Bearer {session['api_key']}"}
