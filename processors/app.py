@@ -29,7 +29,7 @@ from processors.faust_worker import RAW, app_settings, on_partitions, on_signal,
 from processors.health import serve_health
 from processors.payloads import LogReader
 from processors.settings import ProcessorSettings
-from processors.topics import app_id, changelog_configs, control_topic
+from processors.topics import TABLES, app_id, changelog_configs, control_topic
 from schemas.dead_letter import DeadLetter
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
@@ -73,10 +73,11 @@ def _table(name: str, help: str) -> TableT[bytes, bytes]:
                      key_type=bytes, value_type=bytes, schema=faust.Schema(**RAW))
 
 
+OPEN, SPECS, BUILT = TABLES  # their changelogs are created before the worker starts (processors.topics)
 tables = Tables(
-    open=_table("open_sessions", "session id -> OpenSession (small)"),
-    specs=_table("session_specs", "session id -> SpecFacts"),
-    built=_table("built_sessions", "session id -> trajectory event id"),
+    open=_table(OPEN, "session id -> OpenSession (small)"),
+    specs=_table(SPECS, "session id -> SpecFacts"),
+    built=_table(BUILT, "session id -> trajectory event id"),
 )
 
 

@@ -14,6 +14,8 @@ from schemas.transport.admin import ExtraTopic, ensure_topics
 from schemas.transport.settings import KafkaSettings
 
 CONTROL_RETENTION_MS = 24 * 3600 * 1000
+# The trajectory worker's tables (processors/app.py), whose changelogs are created here.
+TABLES = ("open_sessions", "session_specs", "built_sessions")
 
 
 def app_id(kafka: KafkaSettings, name: str) -> str:
@@ -38,6 +40,17 @@ def changelog_configs(kafka: KafkaSettings) -> dict[str, str]:
             "unclean.leader.election.enable": "false"}
 
 
+def changelog_topic_specs(kafka: KafkaSettings, app: str, tables: tuple[str, ...], partitions: int) -> list[ExtraTopic]:
+    """The changelog topics of a Faust app's tables, as Faust names them (``<app id>-<table>-changelog``),
+    compacted. Created by the admin before the worker starts, so that they have the deployment's
+    replication and their leaders before Faust looks for them: left to Faust on a three-node cluster, a
+    replicated changelog was not yet in the metadata when the first table write asked for its partitions,
+    and the worker crashed (PartitionsMismatch: 0 partitions)."""
+    return [ExtraTopic(f"{app}-{table}-changelog", partitions, compacted=True) for table in tables]
+
+
 async def prepare_topics(kafka: KafkaSettings, name: str) -> None:
-    """Create the registry's topics and the control topic if they are missing (idempotent)."""
-    await ensure_topics(kafka, [control_topic_spec(kafka, name)])
+    """Create the registry's topics, the control topic and the tables' changelogs if they are missing
+    (idempotent)."""
+    await ensure_topics(kafka, [control_topic_spec(kafka, name),
+                                *changelog_topic_specs(kafka, app_id(kafka, name), TABLES, kafka.session_partitions)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+from processors.topics import changelog_topic_specs
 from schemas.transport.admin import ExtraTopic, ensure_topics
 from schemas.transport.settings import KafkaSettings
 
@@ -26,8 +27,10 @@ def by_task_topic_spec(kafka: KafkaSettings, app_id: str) -> ExtraTopic:
 
 
 async def prepare_topics(kafka: KafkaSettings, app_id: str) -> None:
-    """Create the registry's topics and the by-task topic if they are missing (idempotent)."""
-    await ensure_topics(kafka, [by_task_topic_spec(kafka, app_id)])
+    """Create the registry's topics, the by-task topic and the table's changelog if they are missing
+    (idempotent)."""
+    changelogs = changelog_topic_specs(kafka, kafka.topic_prefix + app_id, ("tasks_state",), kafka.task_partitions)
+    await ensure_topics(kafka, [by_task_topic_spec(kafka, app_id), *changelogs])
 
 
 def run() -> None:
