@@ -37,9 +37,31 @@ def test_a_partition_is_handled_from_its_committed_offset_without_holes_or_repea
     # Another partition has its own offsets; one not in the baseline is trusted.
     assert continuity.admit("sessions", 0, 2) == Gap("sessions", 0, 0, 2)
     assert continuity.admit("sessions", 1, 5) == NEXT
-    assert continuity.counters == {"duplicates_skipped": 3, "gaps": 2, "gap_offsets": 4}
+    assert continuity.counters == {"duplicates_skipped": 3, "gaps": 2, "gap_offsets": 4, "tails_read": 0}
     continuity.reset()
     assert not continuity.baselined and continuity.admit("completions", 0, 3) == NEXT
+
+
+def test_a_hole_at_a_partition_end_is_named_once_the_stream_is_quiet_about_it() -> None:
+    """No later record reveals a hole at the end: the worker asks which partitions' inputs end past the next
+    offset while the stream has handed out nothing of them for a while, and reads those ends back."""
+    continuity = InputContinuity()
+    inputs = {"completions", "sessions"}
+    ends = {("completions", 0): 12, ("sessions", 0): 3, ("completions", 1): 5, ("control", 0): 9}
+    highwater = lambda topic, partition: ends.get((topic, partition))  # noqa: E731
+    assert continuity.partitions_behind(highwater, 100.0, 2.0, inputs) == set()  # before the baseline
+    continuity.baseline({("completions", 0): 10, ("sessions", 0): 3, ("completions", 1): 5, ("control", 0): 0})
+    continuity.admit("completions", 0, 10, now=99.5)
+    continuity.handled("completions", 0, 10)
+    # completions[0] ends at 12, 11 not handed out, but the stream spoke of it 0.5 s ago: not yet.
+    assert continuity.behind(0, highwater, 100.0, 2.0, inputs) == []
+    # Quiet for long enough: the end [11, 12) is to be read back; the control topic is not a session input.
+    assert continuity.behind(0, highwater, 102.0, 2.0, inputs) == [Gap("completions", 0, 11, 12)]
+    assert continuity.partitions_behind(highwater, 102.0, 2.0, inputs) == {0}
+    continuity.read_to(Gap("completions", 0, 11, 12))
+    assert continuity.partitions_behind(highwater, 102.0, 2.0, inputs) == set()
+    assert continuity.admit("completions", 0, 11, now=103.0) == DUPLICATE  # handed out late: a repeat
+    assert continuity.counters["tails_read"] == 1
 
 
 @pytest.mark.kafka
