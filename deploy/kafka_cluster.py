@@ -15,7 +15,9 @@ back: the failover tests and ``bench/failover.py`` use them.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -24,6 +26,8 @@ from typing import Any
 
 from deploy.errors import ConfigError
 from deploy.kafka import KafkaBroker, KafkaConfig, new_cluster_id
+from schemas.transport.admin import KafkaAdmin
+from schemas.transport.errors import TransportError
 from schemas.transport.settings import KafkaSettings
 
 LAYOUT_FILE = "cluster.json"
@@ -114,9 +118,27 @@ class KafkaCluster:
         waiting = [node for node in self.nodes if not node.is_running()]
         try:
             self._each(lambda node: node.start(timeout_s=timeout_s), self.nodes)
+            # A node answers before the controller has registered (unfenced) it: until every one is,
+            # creating a topic with as many replicas as nodes is refused.
+            asyncio.run(self._await_registered(time.monotonic() + timeout_s))
         except BaseException:
             self._each(lambda node: node.stop(timeout_s=10), waiting, raise_first=False)
             raise
+
+    async def _await_registered(self, deadline: float) -> None:
+        wanted = sorted(node.config.node_id for node in self.nodes)
+        seen: list[int] = []
+        async with KafkaAdmin(self.bootstrap) as admin:
+            while time.monotonic() < deadline:
+                try:
+                    seen = await admin.broker_ids()
+                except TransportError:
+                    seen = []
+                if seen == wanted:
+                    return
+                await asyncio.sleep(0.3)
+        raise ConfigError(f"the cluster's nodes {wanted} started but only {seen} registered in time; see the "
+                          f"nodes' logs under {self.base.home}")
 
     def stop(self, timeout_s: float = 30) -> None:
         """Stop every node (SIGTERM, SIGKILL after ``timeout_s``); safe to repeat."""

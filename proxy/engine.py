@@ -444,7 +444,7 @@ class VllmEngine:
                 if response.status_code != 200:
                     raise error_from_response(response.status_code, (await response.aread()).decode(errors="replace"))
                 lines = SseLines()
-                async for data in response.aiter_raw():
+                async for data in response.aiter_bytes():  # content a transport already read, too
                     deltas, error = _deltas(lines.feed(data))
                     if deltas:
                         yield deltas

@@ -17,7 +17,7 @@ from bench.standin_engine import StandinConfig
 from bench.standin_engine import create_app as create_standin
 from proxy.app import create_app
 from schemas.topics import Topic
-from schemas.transport import KafkaAdmin, KafkaSettings
+from schemas.transport import KafkaAdmin, KafkaSettings, TransportError
 from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import serve
 
@@ -32,6 +32,22 @@ def standin_url() -> Iterator[str]:
         yield url
 
 
+async def _leading_most(kafka: KafkaSettings, topic: str, timeout_s: float = 60) -> int:
+    """The node leading most of ``topic``'s partitions (a node that has not heard of a new topic yet
+    answers UnknownTopicOrPartition: asked again)."""
+    deadline = time.monotonic() + timeout_s
+    async with KafkaAdmin(kafka.kafka_bootstrap) as admin:
+        while True:
+            try:
+                leaders = collections.Counter(p.leader for p in await admin.partitions(topic))
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
+            return leaders.most_common(1)[0][0]
+
+
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):
@@ -41,10 +57,7 @@ def _metric(url: str, name: str) -> float:
 
 async def test_a_leader_change_is_waited_out_and_a_lost_quorum_is_a_retryable_error(
         restarted: KafkaCluster, cluster_kafka: KafkaSettings, standin_url: str) -> None:
-    completions = cluster_kafka.registry().name(Topic.COMPLETIONS)
-    async with KafkaAdmin(cluster_kafka.kafka_bootstrap) as admin:
-        leaders = collections.Counter(p.leader for p in await admin.partitions(completions))
-    leader = leaders.most_common(1)[0][0]
+    leader = await _leading_most(cluster_kafka, cluster_kafka.registry().name(Topic.COMPLETIONS))
     with serve(create_app(proxy_settings(standin_url, capture_timeout_s=20.0), cluster_kafka)) as url:
         proxy = ProxyUnderTest(url, cluster_kafka)
         session = proxy.new_session(session_id="cluster-1")
