@@ -362,7 +362,7 @@ def run_rollout(cluster: KafkaCluster, work: Path, *, tasks: int, samples: int, 
             outcome.feed_repeated_groups = sum(1 for n in delivered.values() if n > 1)
             _save_health(work, [os.environ["ROLLWIRE_PROCESSORS_PORT"]]
                          + ([worker.health_url.rsplit(":", 1)[1].split("/")[0]] if worker and worker.health_url else []))
-            for name in ("proxy", "processors"):  # the base stack stays up after a job: stop it here
+            for name in ("proxy", "processors", "ui"):  # the base stack stays up after a job: stop it here
                 ServiceProcess(name=name, args=(), health_url=None).stop()
             if worker is not None:
                 worker.stop()
