@@ -8,7 +8,8 @@ Life of a session: events arrive → one small :class:`~processors.open_sessions
 end, and the log offsets of its completions; the bytes are kept in a
 :class:`~processors.payloads.PayloadCache` and read back from the log on a miss) → on ``session.ended``
 (once every input partition has been read up to that record) or at
-its deadline (a timer asks through the control topic) the builder named in the spec runs and the
+its deadline (a timer asks through the control topic) the session is built (processors.session_builds:
+validated, deltas resolved, the spec's builder run, in a process pool when the app has one) and the
 Trajectory is sent → when the broker has acknowledged it, a control record ``emitted`` deletes the
 session's entries and remembers its id in ``built`` (late or replayed records of a built session are
 dropped). Nothing is deleted before the trajectory is on the broker, so a crash at any point leads to
@@ -19,17 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-from pydantic import ValidationError
 
-from processors.builders import UnknownBuilder, build_trajectory
 from processors.intake import dead_letter, peek
 from processors.payloads import PayloadCache
 from processors.progress import MARKER_GAP, InputProgress
+from processors.session_builds import BuildJob, BuildResult, InlineBuilds, SessionBuilds, TrajectoryRecord
 from processors.writebehind import BufferedTable
 from processors.writebehind import discard as discard_pending
 from processors.writebehind import flush as flush_tables
@@ -43,12 +43,9 @@ from processors.open_sessions import (
     facts,
 )
 from schemas.codec import EventDecodeError, decode_event
-from schemas.completions import Completion
 from schemas.dead_letter import DeadLetter
-from schemas.prompt_chain import MissingPromptParent, resolve_session
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic, TopicRegistry
-from schemas.trajectories import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +89,7 @@ class Outputs:
 
     # Send a trajectory to the session's partition without waiting for the acknowledgement; once the
     # broker has it, send the control record emitted_record() (on failure call on_send_failed()).
-    send_trajectory: Callable[[Trajectory, int], Awaitable[None]]
+    send_trajectory: Callable[[TrajectoryRecord, int], Awaitable[None]]
     send_dead_letter: Callable[[DeadLetter], Awaitable[None]]
     # Send a control record {kind, session_id, ...} to the session's partition of the control topic.
     send_control: Callable[[str, int, dict[str, Any]], Awaitable[None]]
@@ -106,36 +103,17 @@ class Outputs:
     read_from: Callable[[str, int], int | None] | None = None
 
 
-def _validate_completion(value: bytes, session_id: str) -> Completion:
-    """Full validation of a stored completion record, when its session is built.
-
-    The record passed :func:`~processors.intake.peek` at intake, or only its headers' check (see
-    processors.intake.peek_completion), so everything is checked here: JSON, the model (pydantic parses
-    the bytes itself: no intermediate dicts), and that it belongs to the session its key put it in.
-    Raises EventDecodeError with the dead letter's error type, like decode_event.
-    """
-    try:
-        event = Completion.model_validate_json(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            raise EventDecodeError("invalid_json", f"record value is not JSON: {first['msg']}") from exc
-        where = ".".join(str(p) for p in first["loc"]) or "(root)"
-        raise EventDecodeError("invalid_event", f"{exc.title} failed validation ({exc.error_count()} errors), "
-                               f"first: {where}: {first['msg']}") from exc
-    if event.session_id != session_id:
-        raise EventDecodeError("key_mismatch", f"completion of session {event.session_id!r} was stored under "
-                               f"session {session_id!r} (its record key)")
-    return event
-
-
 class SessionAggregator:
     """Per-record handling, the control records, and the deadline scan the timer runs."""
 
     def __init__(self, tables: Tables, outputs: Outputs, registry: TopicRegistry, *, control_topic: str,
                  group: str, idle_s: float, grace_s: float, settle_s: float, max_message_bytes: int,
-                 cache_bytes: int = 512 * 1024 * 1024, clock: Callable[[], float] = time.time) -> None:
+                 cache_bytes: int = 512 * 1024 * 1024, clock: Callable[[], float] = time.time,
+                 builds: SessionBuilds | None = None, source: str = "processors") -> None:
         self.tables = tables
+        # Where sessions are built (processors.session_builds): in place unless the app gives a pool.
+        self.builds = builds if builds is not None else InlineBuilds()
+        self.source = source
         # Every write goes through these; the app flushes them before acknowledging the records.
         self.t = BufferedTables(BufferedTable(tables.open), BufferedTable(tables.specs), BufferedTable(tables.built))
         self.out, self.registry = outputs, registry
@@ -154,9 +132,10 @@ class SessionAggregator:
         self._open: dict[bytes, OpenSession] | None = None
         self._specs: dict[bytes, SpecFacts] = {}
         self._names = {t: registry.name(t) for t in Topic}
+        self._topic_specs = {registry.name(t): registry.spec(t) for t in Topic}
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
         self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
-                         "read_back": 0, "lost": 0, "unresolved": 0}
+                         "read_back": 0, "lost": 0, "unresolved": 0, "build_failures": 0}
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -188,7 +167,7 @@ class SessionAggregator:
                 continue
             self.progress.saw(record.topic, record.partition, record.offset, record.timestamp, self.clock())
             partitions.add(record.partition)
-            spec = self.registry.by_name(record.topic)
+            spec = self._topic_specs.get(record.topic) or self.registry.by_name(record.topic)
             try:
                 envelope = peek(record.value, record.key, spec)
                 event = None if spec.topic is Topic.COMPLETIONS else decode_event(record.value, spec)
@@ -270,60 +249,33 @@ class SessionAggregator:
     # -- building ------------------------------------------------------------------------------------
 
     async def _build(self, session_id: str, session: OpenSession, *, partial: bool) -> None:
+        """Hand the session's build to ``self.builds`` (processors.session_builds): its records are
+        validated, its prompt deltas resolved and its builder run there, off this loop when the builds
+        run in a pool; then :meth:`_built` dead-letters the calls left out and sends the trajectory."""
         if session_id in self.in_flight:
             return
-        sid = session_id.encode()
-        spec = self._spec(sid)
-        stored: list[tuple[CallRef, bytes, Completion]] = []
-        for ref, value in (await self._payloads(session_id, session)).items():
-            try:
-                event = _validate_completion(value, session_id)
-            except EventDecodeError as exc:
-                # It passed the envelope check at intake; the full validation happens only now.
-                await self._dead_letter_value(session_id, ref, value, exc)
-                continue
-            stored.append((ref, value, event))
-        completions, left_out = await self._resolve_prompts(session_id, stored)
-        try:
-            trajectory = build_trajectory(builder_name(spec), completions,
-                                          facts(session_id, session, spec, partial=partial))
-        except (UnknownBuilder, ValueError) as exc:
-            logger.exception("session %s: builder %s failed", session_id, builder_name(spec))
-            trajectory = build_trajectory("per_request", [], facts(session_id, session, spec, partial=partial))
-            trajectory.stats.problems.append(f"builder {builder_name(spec)} failed: {exc!r}")
-        trajectory.stats.problems.extend(left_out)
+        spec = self._spec(session_id.encode())
+        calls = await self._payloads(session_id, session)
+        job = BuildJob(session_id, session.partition, builder_name(spec),
+                       facts(session_id, session, spec, partial=partial), list(calls.items()), self.source)
         self.in_flight.add(session_id)
         self.counters["trajectories"] += 1
         self.counters["partial"] += partial
-        await self.out.send_trajectory(trajectory, session.partition)
+        await self.builds.submit(job, self._built, self._build_failed)
 
-    async def _resolve_prompts(self, session_id: str, stored: list[tuple[CallRef, bytes, Completion]]
-                               ) -> tuple[list[Completion], list[str]]:
-        """The session's completions with their full prompts (prompt deltas resolved along their chains,
-        schemas.prompt_chain), and a problem line for each call left out.
+    async def _built(self, job: BuildJob, result: BuildResult) -> None:
+        """A build is done (maybe after a rebalance: the trajectory is sent all the same, its event id
+        the one any rebuild of the same records gets)."""
+        values = dict(job.calls)
+        for rejected in result.rejected:
+            error = EventDecodeError(rejected.error_type, rejected.reason)
+            await self._dead_letter_value(job.session_id, rejected.ref, values[rejected.ref], error)
+        self.counters["unresolved"] += result.unresolved
+        await self.out.send_trajectory(result.trajectory, job.partition)
 
-        A call whose prompt parent is not among the session's completions (retention deleted it, it was
-        dead-lettered, a corrupted record) cannot be resolved: its record is dead-lettered with the reason
-        (``missing_prompt_parent``), and so is every call further down its chain. The trajectory is built
-        from the resolved calls only, the left-out ones named in ``stats.problems``: those calls are
-        missing from it, like a completion lost to retention, but nothing in it is wrong (a missing
-        parent never yields a guessed prompt). Resolution is in log order (a parent is always before its
-        child in the session's partition).
-        """
-        chain = resolve_session([event for _, _, event in stored])
-        if not chain.missing:
-            return list(chain.resolved), []
-        where = {event.event_id: (ref, value) for ref, value, event in stored}
-        problems: list[str] = []
-        for item in chain.missing:
-            event = item.completion
-            ref, value = where[event.event_id]
-            error = EventDecodeError(MissingPromptParent.error_type, item.reason)
-            await self._dead_letter_value(session_id, ref, value, error)
-            problems.append(f"completion {event.event_id} (sequence {event.sequence}) left out and "
-                            f"dead-lettered: {error.error_type}: {item.reason}")
-        self.counters["unresolved"] += len(chain.missing)
-        return list(chain.resolved), problems
+    async def _build_failed(self, job: BuildJob, exc: BaseException) -> None:
+        self.counters["build_failures"] += 1
+        self.on_send_failed(job.session_id)
 
     async def _payloads(self, session_id: str, session: OpenSession) -> dict[CallRef, bytes]:
         """Each completion record's value, from the cache or else read back from the log, in log order."""
@@ -396,7 +348,7 @@ class SessionAggregator:
         since = self.progress.active_since if self.progress.active_since is not None else self.clock()
         return deadline(session, spec, idle_s=self.idle_s, grace_s=self.grace_s, active_since=since)
 
-    def emitted_record(self, trajectory: Trajectory) -> dict[str, Any]:
+    def emitted_record(self, trajectory: TrajectoryRecord) -> dict[str, Any]:
         return {"kind": "emitted", "session_id": trajectory.session_id, "event_id": trajectory.event_id}
 
     # -- the timer -----------------------------------------------------------------------------------

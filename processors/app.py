@@ -28,11 +28,11 @@ from processors.continuity import DUPLICATE, Gap, InputContinuity, RangeReader
 from processors.faust_worker import RAW, app_settings, on_partitions, on_signal, send_event, tables_recovered
 from processors.health import serve_health
 from processors.payloads import LogReader
+from processors.session_builds import InlineBuilds, PooledBuilds, SessionBuilds, TrajectoryRecord
 from processors.settings import ProcessorSettings
 from processors.topics import TABLES, app_id, changelog_configs, control_topic
 from schemas.dead_letter import DeadLetter
 from schemas.topics import Topic
-from schemas.trajectories import Trajectory
 from schemas.transport import TransportError
 from schemas.transport.settings import KafkaSettings
 
@@ -81,8 +81,12 @@ tables = Tables(
 )
 
 
-async def send_trajectory(trajectory: Trajectory, partition: int) -> None:
-    future = await send_event(trajectories, trajectory, SOURCE, partition)
+async def send_trajectory(trajectory: TrajectoryRecord, partition: int) -> None:
+    """Send a built trajectory (encoded where it was built) to the session's partition; once the broker
+    has it, the ``emitted`` control record follows (the agent then forgets the session)."""
+    future = await trajectories.send(key=trajectory.key, value=trajectory.value, headers=trajectory.headers,
+                                     partition=partition)
+    assert isinstance(future, asyncio.Future)  # declared as a bare Awaitable: the producer's future
 
     def done(fut: asyncio.Future[RecordMetadata]) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -140,12 +144,19 @@ async def _baseline() -> None:
         continuity.baseline(committed)
 
 
+# Session builds (validation, delta resolution, the builder, encoding: the worker's largest cost per
+# session) run in a process pool while the agent goes on reading records (processors.session_builds).
+# They are started here, before the worker starts (and is reported healthy).
+builds: SessionBuilds = InlineBuilds()
+if conf.build_processes:
+    builds = PooledBuilds(conf.build_processes)
+    builds.start()
 aggregator = SessionAggregator(
     tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read, continuity.committed),
     registry,
     control_topic=control_topic(kafka, conf.app_id), group=app.conf.id, idle_s=conf.idle_s,
     grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes,
-    cache_bytes=conf.cache_mb * 1024 * 1024)
+    cache_bytes=conf.cache_mb * 1024 * 1024, builds=builds, source=SOURCE)
 
 
 # Records handled whose effect on the tables is still only in memory: acknowledged after the next flush.
@@ -342,6 +353,7 @@ async def _stopping() -> None:
     # the broker (see flush); the rest is read again by the partitions' next owner.
     await log_reader.stop()
     await range_reader.stop()
+    await builds.close()  # builds still running are dropped: those sessions are built again later
 
 
 @app.task

@@ -11,7 +11,7 @@ before or after the session's first event. Everything here is pure and tested wi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 import orjson
@@ -69,7 +69,7 @@ class SpecFacts:
         return cls(spec.builder, spec.timeout_s, spec.task_id, spec.policy_version, now)
 
     def dumps(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)  # orjson writes a dataclass as its fields, in order
 
     @classmethod
     def loads(cls, raw: bytes) -> SpecFacts:
@@ -87,8 +87,9 @@ class OpenSession:
     end: EndFacts | None = None
 
     def dumps(self) -> bytes:
-        return orjson.dumps({"partition": self.partition, "offsets": self.offsets, "first_seen": self.first_seen,
-                             "last_seen": self.last_seen, "end": asdict(self.end) if self.end else None})
+        # orjson writes dataclasses (the end too) field by field, in order: dataclasses.asdict deep-copied
+        # every value first, once per record of the session.
+        return orjson.dumps(self)
 
     @classmethod
     def loads(cls, raw: bytes) -> OpenSession:

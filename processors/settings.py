@@ -39,6 +39,9 @@ class ProcessorSettings(BaseSettings):
     that covers them); a session's records between two flushes cost one table write.
     ``TRANSPORT_ONLY`` (false): benchmarks only: count and acknowledge records without handling them,
     to measure what the Faust transport alone costs on the same machine (``bench.pipeline`` does).
+    ``BUILD_PROCESSES`` (1): processes that build sessions (validate their records, resolve prompt deltas,
+    run the builder, encode the trajectory) while the worker goes on reading records; 0 builds on the
+    worker's own event loop, between records.
     ``TICK_S`` (0.5): how often the deadline timer looks at open sessions.
     ``SETTLE_S`` (1.0): how long after a (re)start a partition that delivered nothing counts as caught up.
     ``SESSION_TIMEOUT_S`` (30): consumer group session timeout; a worker that died without leaving the
@@ -58,6 +61,7 @@ class ProcessorSettings(BaseSettings):
     compression: Literal["snappy", "zstd", "gzip", "lz4", "none"] = "snappy"
     batch_records: int = Field(default=1000, ge=1)
     batch_ms: float = Field(default=200.0, gt=0)
+    build_processes: int = Field(default=1, ge=0, le=64)
     transport_only: bool = False
     tick_s: float = Field(default=0.5, gt=0)
     settle_s: float = Field(default=1.0, ge=0)

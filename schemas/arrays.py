@@ -19,12 +19,12 @@ logprob is NaN; deciding whether that is an error belongs to the consumer (traje
 
 from __future__ import annotations
 
-import base64
 import binascii
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+import pybase64
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
@@ -44,17 +44,29 @@ class ArrayCodecError(ValueError):
 def _shuffle(raw: bytes, width: int) -> bytes:
     if width == 1 or not raw:
         return raw
-    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes()
+    elements = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width)
+    planes = np.empty((width, elements.shape[0]), dtype=np.uint8)
+    for byte in range(width):  # one strided pass per byte: about 3x numpy's transposed copy
+        planes[byte] = elements[:, byte]
+    return planes.tobytes()
 
 
-def _unshuffle(raw: bytes, width: int) -> bytes:
-    if width == 1 or not raw:
-        return raw
-    return np.frombuffer(raw, dtype=np.uint8).reshape(width, -1).T.tobytes()
+def _unshuffle(raw: bytes, width: int) -> np.ndarray:
+    """The shuffled bytes back in element order, as a fresh (writable) uint8 array."""
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(width, -1)
+    elements = np.empty((planes.shape[1], width), dtype=np.uint8)
+    for byte in range(width):
+        elements[:, byte] = planes[byte]
+    return elements
+
+
+# dtype -> code, by the dtype's string (a dict lookup; comparing np.dtype objects one by one cost more).
+_CODES: dict[str, str] = {dtype.str: code for code, dtype in _DTYPES.items()}
+_CODES["|u1"] = "u1"
 
 
 def _code_of(dtype: np.dtype) -> str | None:
-    return next((code for code, known in _DTYPES.items() if known == dtype), None)
+    return _CODES.get(dtype.str)
 
 
 def encode_array(values: np.ndarray) -> str:
@@ -64,7 +76,7 @@ def encode_array(values: np.ndarray) -> str:
         raise ArrayCodecError(f"unsupported dtype {values.dtype}; use one of {sorted(_DTYPES)}")
     dtype = _DTYPES[code]
     raw = np.ascontiguousarray(values).tobytes()
-    return f"{code}:{base64.b64encode(_shuffle(raw, dtype.itemsize)).decode('ascii')}"
+    return f"{code}:{pybase64.b64encode_as_string(_shuffle(raw, dtype.itemsize))}"
 
 
 def decode_array(text: str) -> np.ndarray:
@@ -75,14 +87,16 @@ def decode_array(text: str) -> np.ndarray:
         raise ArrayCodecError(f"packed array must start with one of {sorted(_DTYPES)} and ':', "
                               f"got {text[:12]!r}")
     try:
-        # strict_mode: the same checks as b64decode(validate=True) (alphabet, padding), done in C; the
-        # latter's regex pass cost as much as the decoding itself.
-        raw = binascii.a2b_base64(payload, strict_mode=True)
+        # validate=True: the alphabet and the padding are checked (pybase64: SIMD, the checks included).
+        raw = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ArrayCodecError(f"packed {code} array is not valid base64: {exc}") from exc
     if len(raw) % dtype.itemsize:
         raise ArrayCodecError(f"packed {code} array has {len(raw)} bytes, not a multiple of {dtype.itemsize}")
-    array = np.frombuffer(_unshuffle(raw, dtype.itemsize), dtype=dtype)
+    if dtype.itemsize == 1 or not raw:
+        array = np.frombuffer(raw, dtype=dtype)
+    else:
+        array = _unshuffle(raw, dtype.itemsize).view(dtype).reshape(-1)
     array.flags.writeable = False
     return array
 

@@ -17,7 +17,8 @@ from processors.aggregate import Outputs, SessionAggregator, Tables
 from processors.payloads import PayloadCache
 from processors.progress import InputProgress
 from processors.open_sessions import CallRef, OpenSession
-from schemas.codec import encode_event
+from processors.session_builds import TrajectoryRecord
+from schemas.codec import decode_event, encode_event
 from schemas.dead_letter import DeadLetter
 from schemas.prompt_chain import is_delta, write_session
 from schemas.topics import Topic, TopicRegistry
@@ -50,8 +51,11 @@ class FakeKafka:
     ends: dict[str, int] = field(default_factory=dict)  # topic -> high watermark (one partition used)
 
     def outputs(self) -> Outputs:
-        async def send_trajectory(t: Trajectory, partition: int) -> None:
-            self.trajectories.append(t)
+        async def send_trajectory(record: TrajectoryRecord, partition: int) -> None:
+            trajectory = decode_event(record.value, REGISTRY.spec(Topic.TRAJECTORIES))
+            assert isinstance(trajectory, Trajectory)
+            assert (trajectory.session_id, trajectory.event_id) == (record.session_id, record.event_id)
+            self.trajectories.append(trajectory)
 
         async def nothing(*args: object) -> None:
             return None
