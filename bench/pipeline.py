@@ -16,7 +16,11 @@ the same flood through a worker that only counts and acknowledges records
 (``ROLLWIRE_PROCESSORS_TRANSPORT_ONLY``): ``transport_only_events_per_s`` is what the producer, the broker
 and Faust's consumer allow on this machine with none of the work done.
 
-    python -m bench.pipeline [--sessions N] [--turns T] [--tokens K] [--rate R] [--workers W]
+    python -m bench.pipeline [--sessions N] [--turns T] [--tokens K] [--rate R] [--workers W] [--inline-builds-too]
+
+The worker builds sessions in its build processes (``ROLLWIRE_PROCESSORS_BUILD_PROCESSES``, default 1;
+their CPU is counted in ``worker_cpu_us_per_completion``, and printed apart); ``--inline-builds-too``
+also floods workers that build on their own event loop, in the same run, for comparison.
 
 ``ROLLWIRE_BENCH_PYSPY=FILE`` samples the worker with py-spy during the flood (collapsed stacks);
 ``ROLLWIRE_BENCH_PROFILE=FILE`` profiles it with cProfile instead (see bench/profiled.py).
@@ -101,6 +105,24 @@ def interleave(sessions: list[list[Record]], concurrent: int) -> list[Record]:
     return order
 
 
+def _process_cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
 class Worker:
     def __init__(self, kafka: KafkaSettings, app_id: str, data_dir: Path, port: int,
                  extra_env: dict[str, str] | None = None) -> None:
@@ -149,9 +171,16 @@ class Worker:
             self.sampler = None
 
     def cpu_s(self) -> float:
-        """CPU seconds the worker process has used so far (user + system), from /proc."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU seconds the worker has used so far (user + system), its build processes included."""
+        return self.main_cpu_s() + self.builds_cpu_s()
+
+    def main_cpu_s(self) -> float:
+        """CPU seconds of the worker's own process (the Faust event loop), from /proc."""
+        return _process_cpu_s(self.process.pid)
+
+    def builds_cpu_s(self) -> float:
+        """CPU seconds of the worker's build processes (its children: processors.session_builds)."""
+        return sum(_process_cpu_s(child) for child in _children(self.process.pid))
 
     def health(self) -> dict:
         return httpx.get(self.url, timeout=5).json()
@@ -195,6 +224,9 @@ class Workers:
 
     def cpu_s(self) -> float:
         return sum(w.cpu_s() for w in self.workers)
+
+    def main_cpu_s(self) -> float:
+        return sum(w.main_cpu_s() for w in self.workers)
 
     def health(self) -> dict:
         merged: dict = {}
@@ -295,8 +327,29 @@ async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float]:
         await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
 
 
+async def inline_flood(args: argparse.Namespace) -> tuple[float, float]:
+    """The flood through workers that build sessions on their event loop (no build processes:
+    ``ROLLWIRE_PROCESSORS_BUILD_PROCESSES=0``): completions/s and the worker's CPU per completion."""
+    kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
+    await prepare_topics(kafka, "processors")
+    home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
+    workers = Workers(kafka, "processors", home, args.port + 70, args.workers,
+                      {"ROLLWIRE_PROCESSORS_BUILD_PROCESSES": "0"})
+    try:
+        sessions = make_sessions(kafka, "inline", args.sessions, args.turns, args.tokens, seed=4)
+        workers.wait_healthy()
+        cpu0 = workers.cpu_s()
+        flood = await run_phase(kafka, interleave(sessions, args.concurrent), None, len(sessions), timeout_s=600)
+        return flood["events_per_s"], (workers.cpu_s() - cpu0) / flood["completions"]
+    finally:
+        workers.stop()
+        shutil.rmtree(home, ignore_errors=True)
+        await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
+
+
 async def bench(args: argparse.Namespace) -> None:
     ceiling, ceiling_cpu_s = await transport_ceiling(args)
+    inline = await inline_flood(args) if args.inline_builds_too else None
     kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
     await prepare_topics(kafka, "processors")
     home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
@@ -309,11 +362,11 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"generate_s={time.time() - t0:.1f}")
         print(f"completion_bytes_mean={np.mean([len(r.value) for r in completions]):.0f}")
         worker.wait_healthy()
-        cpu0 = worker.cpu_s()
+        cpu0, main0 = worker.cpu_s(), worker.main_cpu_s()
         worker.profiling(True, "flood")
         flood = await run_phase(kafka, interleave(flood_sessions, args.concurrent), None, len(flood_sessions),
                                 timeout_s=600)
-        flood_cpu_s = worker.cpu_s() - cpu0
+        flood_cpu_s, flood_main_cpu_s = worker.cpu_s() - cpu0, worker.main_cpu_s() - main0
         worker.profiling(False, "flood")
         rate = min(args.rate, 0.8 * flood["events_per_s"])
         events_per_completion = (args.turns + 2) / args.turns
@@ -328,13 +381,19 @@ async def bench(args: argparse.Namespace) -> None:
         worker.stop()
         shutil.rmtree(home, ignore_errors=True)
         await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
-    print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent} workers={args.workers}")
+    print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent} workers={args.workers} "
+          f"build_processes={os.environ.get('ROLLWIRE_PROCESSORS_BUILD_PROCESSES', '1')}")
     print(f"flood_completions={flood['completions']} flood_trajectories={flood['trajectories']}")
     print(f"flood_send_s={flood['send_s']:.1f}")
     # CPU per completion is what this machine's load (other processes) does not distort much.
     print(f"flood_worker_cpu_s={flood_cpu_s:.1f}")
+    # The worker's event loop (Faust's consumer, the tables, intake) and its build processes.
+    print(f"worker_main_cpu_us_per_completion={flood_main_cpu_s / flood['completions'] * 1e6:.0f}")
+    print(f"worker_builds_cpu_us_per_completion={(flood_cpu_s - flood_main_cpu_s) / flood['completions'] * 1e6:.0f}")
     print(f"worker_cpu_us_per_completion={flood_cpu_s / flood['completions'] * 1e6:.0f}")
     print(f"transport_only_worker_cpu_us_per_completion={ceiling_cpu_s * 1e6:.0f}")
+    if inline is not None:
+        print(f"inline_builds_events_per_s={inline[0]:.0f} inline_builds_worker_cpu_us_per_completion={inline[1] * 1e6:.0f}")
     print(f"flood_end_to_trajectory_p99_ms={flood['p99_ms']:.0f}")
     print(f"paced_rate_completions_per_s={rate:.0f}")
     print(f"paced_events_per_s={paced['events_per_s']:.0f}")
@@ -358,6 +417,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2000.0, help="paced phase: completions per second")
     parser.add_argument("--port", type=int, default=18191)
     parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the partitions")
+    parser.add_argument("--inline-builds-too", action="store_true",
+                        help="also flood workers that build on their event loop (no build processes), side by side")
     asyncio.run(bench(parser.parse_args()))
 
 

@@ -81,9 +81,9 @@ class BuildResult:
 def validate_completion(value: bytes, session_id: str) -> Completion:
     """Full validation of a stored completion record, when its session is built.
 
-    The record passed :func:`~processors.intake.peek` at intake, or only its headers' check (see
-    processors.intake.peek_completion), so everything is checked here: JSON, the model (pydantic parses
-    the bytes itself: no intermediate dicts), and that it belongs to the session its key put it in.
+    The record passed only the envelope check at intake (:func:`~processors.intake.peek`), so everything
+    is checked here: JSON, the model (pydantic parses the bytes itself: no intermediate dicts), and that
+    it belongs to the session its key put it in.
     Raises EventDecodeError with the dead letter's error type, like decode_event.
     """
     try:
