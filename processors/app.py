@@ -28,7 +28,8 @@ from processors.continuity import DUPLICATE, Gap, InputContinuity, RangeReader
 from processors.faust_worker import RAW, app_settings, on_partitions, on_signal, send_event, tables_recovered
 from processors.health import serve_health
 from processors.payloads import LogReader
-from processors.session_builds import InlineBuilds, PooledBuilds, SessionBuilds, TrajectoryRecord
+from processors.build_processes import PooledBuilds
+from processors.session_builds import InlineBuilds, SessionBuilds, TrajectoryRecord
 from processors.settings import ProcessorSettings
 from processors.topics import TABLES, app_id, changelog_configs, control_topic
 from schemas.dead_letter import DeadLetter
@@ -145,12 +146,9 @@ async def _baseline() -> None:
 
 
 # Session builds (validation, delta resolution, the builder, encoding: the worker's largest cost per
-# session) run in a process pool while the agent goes on reading records (processors.session_builds).
-# They are started here, before the worker starts (and is reported healthy).
-builds: SessionBuilds = InlineBuilds()
-if conf.build_processes:
-    builds = PooledBuilds(conf.build_processes)
-    builds.start()
+# session) run in build processes while the agent goes on reading records (processors.build_processes),
+# or in place with none.
+builds: SessionBuilds = PooledBuilds(conf.build_processes) if conf.build_processes else InlineBuilds()
 aggregator = SessionAggregator(
     tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read, continuity.committed),
     registry,
@@ -354,6 +352,14 @@ async def _stopping() -> None:
     await log_reader.stop()
     await range_reader.stop()
     await builds.close()  # builds still running are dropped: those sessions are built again later
+
+
+@app.task
+async def start_builds() -> None:
+    """Start the build processes with the worker (each imports the builders: about a second, usually
+    over before the tables are recovered); a build that comes first waits for them."""
+    if isinstance(builds, PooledBuilds):
+        await builds.start()
 
 
 @app.task

@@ -37,6 +37,11 @@ class CallRef:
         partition, _, offset = raw.partition(b":")
         return cls(int(partition), int(offset))
 
+    def __reduce__(self) -> tuple[type[CallRef], tuple[int, int]]:
+        # Pickled with every build job (processors.build_processes): a slotted dataclass's default
+        # state goes through dataclasses.fields() each time.
+        return CallRef, (self.partition, self.offset)
+
 
 @dataclass(frozen=True, slots=True)
 class EndFacts:

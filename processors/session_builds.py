@@ -3,29 +3,22 @@
 A build is a pure function of the session's records and a few facts (:func:`build_session`): every
 record validated in full, prompt deltas resolved along their chains (schemas.prompt_chain), the session's
 builder run, the trajectory stamped and encoded. It is the trajectory worker's largest cost per session
-and it touches no table, so the worker runs it off its event loop (:class:`PooledBuilds`: a process pool,
-``ROLLWIRE_PROCESSORS_BUILD_PROCESSES``) while the loop goes on reading records; with no processes it runs
-in place (:class:`InlineBuilds`, tests and small deployments). Jobs and results are plain picklable
-values: record bytes in, record bytes out.
+and it touches no table, so the worker can run it off its event loop (processors.build_processes:
+``ROLLWIRE_PROCESSORS_BUILD_PROCESSES`` child processes) while the loop goes on reading records; with no
+processes it runs in place (:class:`InlineBuilds`). Jobs and results are plain picklable values: record
+bytes in, record bytes out.
 
 What a build finds wrong comes back as :class:`Rejected` calls (a record that fails validation, a delta
 whose parent is missing): the worker dead-letters them with the record it still holds, and the
 trajectory is built without them, its ``stats.problems`` naming each. Nothing in this module talks to
-Kafka; a failed job (a crashed pool process) is reported to the caller, which builds the session again
-later (the same inputs give the same trajectory event id).
+Kafka; a failed job (a build process that died) is reported to the caller, which builds the session
+again later (the same inputs give the same trajectory event id).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import multiprocessing
-import os
-import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -163,93 +156,3 @@ class InlineBuilds(SessionBuilds):
 
     async def submit(self, job: BuildJob, on_built: OnBuilt, on_failed: OnFailed) -> None:
         await on_built(job, build_session(job))
-
-
-def _warm() -> None:
-    """A job that does nothing: answered once a pool process has started and imported the builders."""
-
-
-def _start_process() -> None:
-    """Each pool process: exit when the worker that started it is gone. (A process of the pool waits for
-    jobs on a pipe every process of the pool holds open, so a worker killed outright would otherwise
-    leave its build processes behind.)"""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="rollwire-build-parent", daemon=True).start()
-
-
-class PooledBuilds(SessionBuilds):
-    """Builds in ``processes`` worker processes (spawned: the worker's threads are not forked), at most
-    ``max_in_flight`` jobs at once (taken or waiting in the pool): past that, submit waits, which holds
-    the stream back instead of queueing records' bytes without bound."""
-
-    def __init__(self, processes: int, max_in_flight: int | None = None) -> None:
-        self.processes = processes
-        self._room = asyncio.Semaphore(max_in_flight or 32 * processes)
-        self._pool: Executor | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._closed = False
-
-    def _executor(self) -> Executor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_start_process)
-        return self._pool
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        """Start the processes now and wait until they answer (a spawned process imports the builders:
-        about a second), so that the first sessions to end do not wait for them."""
-        pool = self._executor()
-        for started in [pool.submit(_warm) for _ in range(self.processes)]:
-            started.result(timeout_s)
-
-    async def submit(self, job: BuildJob, on_built: OnBuilt, on_failed: OnFailed) -> None:
-        if self._closed:
-            raise RuntimeError("builds are closed")
-        await self._room.acquire()
-        try:
-            pool = self._executor()
-            future = asyncio.get_running_loop().run_in_executor(pool, build_session, job)
-        except BaseException:
-            self._room.release()
-            raise
-        task = asyncio.ensure_future(self._finish(job, pool, future, on_built, on_failed))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _finish(self, job: BuildJob, pool: Executor, future: asyncio.Future[BuildResult],
-                      on_built: OnBuilt, on_failed: OnFailed) -> None:
-        try:
-            try:
-                result = await future
-            finally:
-                self._room.release()
-        except BrokenProcessPool as exc:
-            logger.error("the build pool broke while building %s (%s); starting a new one", job.session_id, exc)
-            if self._pool is pool:
-                self._pool = None  # the next submit starts fresh processes
-                pool.shutdown(wait=False, cancel_futures=True)
-            await on_failed(job, exc)
-            return
-        except Exception as exc:  # a job that could not be pickled, or a bug: reported, retried later
-            logger.exception("building %s failed", job.session_id)
-            await on_failed(job, exc)
-            return
-        try:
-            await on_built(job, result)
-        except Exception as exc:  # sending it failed: reported like a failed build, built again later
-            logger.exception("sending the trajectory of %s failed", job.session_id)
-            await on_failed(job, exc)
-
-    async def close(self) -> None:
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None

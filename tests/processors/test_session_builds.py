@@ -1,9 +1,10 @@
-"""Session builds (processors.session_builds): the pure build, in place and in a real process pool.
+"""Session builds (processors.session_builds) and build processes (processors.build_processes).
 
 The build validates every stored record, resolves prompt deltas and runs the builder; what it cannot use
-comes back as rejected calls with the dead letter's error type, and the trajectory names them. The pool
-gives the same bytes as a build in place, holds back its callers when full, and a pool process that dies
-is reported as a failed build, after which the next build runs on fresh processes.
+comes back as rejected calls with the dead letter's error type, and the trajectory names them. Real build
+processes give the same trajectories as a build in place, hold back their callers when full; a process
+that dies fails the jobs it held, and the next jobs run on a fresh one; a process whose worker is gone
+(its stdin closed) exits.
 """
 
 from __future__ import annotations
@@ -16,13 +17,8 @@ import pytest
 
 from processors.builders import SessionFacts
 from processors.open_sessions import CallRef
-from processors.session_builds import (
-    BuildJob,
-    BuildResult,
-    InlineBuilds,
-    PooledBuilds,
-    build_session,
-)
+from processors.build_processes import PooledBuilds
+from processors.session_builds import BuildJob, BuildResult, InlineBuilds, build_session
 from schemas.codec import decode_event, encode_event
 from schemas.prompt_chain import is_delta, write_session
 from schemas.topics import Topic, TopicRegistry
@@ -131,17 +127,19 @@ async def test_a_pool_builds_what_a_build_in_place_builds_and_survives_a_dead_pr
     jobs = [_job(plan) for plan in plans]
     inline, _ = await _run(InlineBuilds(), jobs)
     pool = PooledBuilds(1, max_in_flight=2)
-    pool.start()
+    await pool.start()
     try:
         pooled, failed = await _run(pool, jobs)
         assert failed == []
         assert {sid: _stable(v) for sid, v in pooled.items()} == {sid: _stable(v) for sid, v in inline.items()}
         # A job that kills its process: reported as failed, the jobs after it built on a fresh process.
+        first = pool.processes[0]
         crash = _job(plans[0], session_id="crash", facts=_KillsItsProcess())
         built, failed = await _run(pool, [crash, *jobs[:2]])
-        assert "crash" in failed
+        assert "crash" in failed and not first.alive
         retry, failed = await _run(pool, jobs[:3])
         assert failed == [] and set(retry) == {p.session_id for p in plans[:3]}
+        assert pool.processes[0] is not first and pool.processes[0].alive
     finally:
         await pool.close()
 
@@ -150,7 +148,7 @@ async def test_a_full_pool_holds_its_callers_back() -> None:
     """With room for one job, a second submit waits until the first is done."""
     plans = [linear_session(f"sq{i}", turns=2, seed=60 + i) for i in range(2)]
     pool = PooledBuilds(1, max_in_flight=1)
-    pool.start()
+    await pool.start()
     finished: list[str] = []
 
     async def on_built(job: BuildJob, result: BuildResult) -> None:
@@ -172,3 +170,14 @@ async def test_a_full_pool_holds_its_callers_back() -> None:
         assert finished == ["sq0", "sq1"]
     finally:
         await pool.close()
+
+
+async def test_a_build_process_exits_when_its_input_closes() -> None:
+    """What happens when the worker is gone, however it went: the child's stdin closes and it exits."""
+    pool = PooledBuilds(1)
+    await pool.start()
+    child = pool.processes[0].process
+    assert child is not None and child.returncode is None and child.stdin is not None
+    child.stdin.close()
+    assert await asyncio.wait_for(child.wait(), 30) == 0
+    await pool.close()
