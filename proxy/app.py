@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,6 +42,7 @@ from proxy.limits import check_request, decode_json_body, read_body, require_jso
 from proxy.metrics import ProxyMetrics
 from proxy.policy import Policy
 from proxy.providers import ParsedCall, ProviderAdapter, Route
+from proxy.relay import RelayResponse
 from proxy.session_registry import LiveSession, RegistryFeed, SessionRegistry
 from proxy.settings import ProxySettings
 from proxy.stages import StageTimes
@@ -218,8 +219,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             chunks = state.service.stream(ctx, session, call.request, call.renderer)
             first = await anext(chunks, None)
             status = 200
-            return StreamingResponse(_prepend(first, chunks), media_type=provider.stream_media_type,
-                                     headers={"cache-control": "no-cache"})
+            return RelayResponse(first, chunks, media_type=provider.stream_media_type,
+                                 headers={"cache-control": "no-cache"})
         except Exception as exc:
             error = as_proxy_error(exc, request.url.path)
             status = error.status_code
@@ -477,10 +478,3 @@ async def _served_model(state: ProxyState) -> str | None:
         return await state.engine.served_model()
     except ProxyError:
         return None
-
-
-async def _prepend(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first is not None:
-        yield first
-    async for chunk in rest:
-        yield chunk

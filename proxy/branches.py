@@ -20,6 +20,11 @@ structured output, or offers no tools while the session's main branch does (titl
 and memory calls); ``sub_agent`` for a call with tools whose system prompt differs from the main branch's;
 ``main`` otherwise (the first branch, compactions of the main line).
 
+A branch's tokens are kept packed (a read-only int32 array, 4 bytes an id: the very array its recorded
+event's link holds, when there is one): a Python list of a long prompt's ids is tens of thousands of
+objects that every full collection of the cyclic GC walks (issue 17); its last prompt is the first
+``prompt_length`` of them, not a copy.
+
 The store is per session and per proxy instance (a session's calls go to one instance, as its call
 numbers do) and bounded: at most :data:`MAX_BRANCHES` branches, the least recently used dropped first.
 
@@ -34,11 +39,14 @@ so eviction never leaves a dangling reference.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from proxy.equivalence import common_prefix, content_text, same_message, tools_signature
-from schemas.completions import BranchRole, ChatMessage, NormalizedRequest
+from schemas.completions import BranchRole, ChatMessage, NormalizedRequest, ToolDefinition
 from schemas.prompt_chain import ChainLink
 
 MAX_BRANCHES = 64
@@ -67,10 +75,10 @@ class Branch:
     tools: bytes
     system_text: str | None
     history: list[ChatMessage]
-    tokens: list[int]
+    tokens: np.ndarray  # the last call's prompt + sampled ids, packed (int32, read-only)
     last_sequence: int
     last_request: list[ChatMessage]
-    last_prompt: list[int]
+    prompt_length: int  # the last call's prompt: tokens[:prompt_length]
     finish_reason: str | None
     structured: bool = False  # its calls ask for structured output (side calls)
     closed: bool = False  # the last turn ended with a sampled end-of-turn token
@@ -78,6 +86,11 @@ class Branch:
     spans: list[SampledSpan] = field(default_factory=list)
     served: list[ChatMessage] = field(default_factory=list)  # assistant turns as served, in order
     link: ChainLink | None = None  # the last recorded event: the next delta's parent
+
+    @property
+    def last_prompt(self) -> list[int]:
+        """The last call's prompt ids."""
+        return self.tokens[:self.prompt_length].tolist()
 
 
 @dataclass
@@ -108,6 +121,17 @@ class BranchStore:
     def __init__(self) -> None:
         self._branches: OrderedDict[str, Branch] = OrderedDict()
         self._opened = 0
+        # The last tool list signed, and its signature: a session sends the same tools on every call, and
+        # comparing them is far cheaper than dumping and sorting them again.
+        self._signed: tuple[list[ToolDefinition], bytes] | None = None
+
+    def _tools_signature(self, tools: list[ToolDefinition]) -> bytes:
+        signed = self._signed
+        if signed is not None and signed[0] == tools:
+            return signed[1]
+        signature = tools_signature(tools)
+        self._signed = (list(tools), signature)
+        return signature
 
     def __len__(self) -> int:
         return len(self._branches)
@@ -124,7 +148,7 @@ class BranchStore:
     def place(self, request: NormalizedRequest, harness_request: NormalizedRequest | None = None) -> Placement:
         """Decide where ``request`` goes (``harness_request``: as the harness sent it, before the session's
         overrides, for the role signals)."""
-        signature = tools_signature(request.tools)
+        signature = self._tools_signature(request.tools)
         messages = request.messages
         structured = _structured(harness_request or request)
         best: Placement | None = None
@@ -170,17 +194,18 @@ class BranchStore:
     def open(self, placement: Placement, request: NormalizedRequest, sequence: int,
              harness_request: NormalizedRequest | None = None) -> Branch:
         """A new branch for a call placed ``open`` (its tokens are filled in by :meth:`record`)."""
-        branch = Branch(branch_id=f"b{self._opened}", role=placement.role, tools=tools_signature(request.tools),
-                        system_text=_system_text(request), history=list(request.messages), tokens=[],
-                        last_sequence=sequence, last_request=list(request.messages), last_prompt=[],
-                        finish_reason=None, structured=_structured(harness_request or request))
+        branch = Branch(branch_id=f"b{self._opened}", role=placement.role,
+                        tools=self._tools_signature(request.tools), system_text=_system_text(request),
+                        history=list(request.messages), tokens=_NO_TOKENS, last_sequence=sequence,
+                        last_request=list(request.messages), prompt_length=0, finish_reason=None,
+                        structured=_structured(harness_request or request))
         self._opened += 1
         self._branches[branch.branch_id] = branch
         self._evict()
         return branch
 
-    def record(self, branch: Branch, request: NormalizedRequest, sequence: int, prompt: list[int],
-               sampled: list[int], served: ChatMessage, finish_reason: str | None, *, closed: bool,
+    def record(self, branch: Branch, request: NormalizedRequest, sequence: int, prompt: Sequence[int],
+               sampled: Sequence[int], served: ChatMessage, finish_reason: str | None, *, closed: bool,
                retry: bool, link: ChainLink | None = None) -> None:
         """The call's turn is done: the branch now stands for its messages + the served assistant turn
         (``link``: the call's recorded event, the parent of the branch's next delta)."""
@@ -189,8 +214,8 @@ class BranchStore:
             branch.served.pop()
         branch.history = [*request.messages, served]
         branch.last_request = list(request.messages)
-        branch.last_prompt = list(prompt)
-        branch.tokens = [*prompt, *sampled]
+        branch.prompt_length = len(prompt)
+        branch.tokens = _packed(prompt, sampled, link)
         branch.spans = [s for s in branch.spans if s.end <= len(prompt)]
         branch.spans.append(SampledSpan(len(prompt), len(prompt) + len(sampled), sequence))
         branch.served.append(served)
@@ -207,6 +232,21 @@ class BranchStore:
     def _evict(self) -> None:
         while len(self._branches) > MAX_BRANCHES:
             self._branches.popitem(last=False)
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
+_NO_TOKENS.flags.writeable = False
+
+
+def _packed(prompt: Sequence[int], sampled: Sequence[int], link: ChainLink | None) -> np.ndarray:
+    """Prompt + sampled ids as one read-only int32 array: the recorded event's own (``link.tokens``, built
+    from this turn's packed ids) when there is one, else packed here (the engine's ids are int32: the
+    event's TokenIds refuses any other before a turn is remembered)."""
+    if link is not None and len(link.tokens) == len(prompt) + len(sampled):
+        return link.tokens
+    tokens = np.concatenate([np.asarray(prompt, dtype=np.int32), np.asarray(sampled, dtype=np.int32)])
+    tokens.flags.writeable = False
+    return tokens
 
 
 def _first_turn(history: list[ChatMessage]) -> int:

@@ -54,6 +54,7 @@ from proxy.errors import (
 from proxy.metrics import ProxyMetrics
 from proxy.policy import Admission, Policy, floor_of, sampled_version
 from proxy.providers import Renderer
+from proxy.relay import ClosingChunk
 from proxy.session_registry import LiveSession
 from proxy.token_api import TokenApi, TokenApiMissing
 from schemas.completions import ChatMessage, Continuation, NormalizedRequest
@@ -185,7 +186,7 @@ class CallService:
                 placement = replace(placement, kind="open", branch=None, opened=reason,
                                     role=branch.role if branch else placement.role)
         elif placement.kind == "retry" and branch is not None:
-            prompt, prefix = list(branch.last_prompt), len(branch.last_prompt)
+            prompt, prefix = branch.last_prompt, branch.prompt_length
         generation = await self.tokens.generate(
             TokenApi.generate_body(rendered, prompt, self._room(request, prompt)))
         turn = await self.tokens.derender(generation, body, prompt, model)
@@ -308,11 +309,18 @@ class CallService:
                 # its own, since this one may not await anything any more.
                 error = ClientDisconnected("the client closed the stream before it ended")
                 self._detach(self.record_failure(ctx, request, error, assembler.turn()))
-        _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
-        self.metrics.event("ok")
-        self.metrics.continuation(ctx.api, ctx.continuation)
-        self.metrics.stages(ctx.api, ctx.stages)
-        yield b"".join(renderer.stream_finish(turn))
+        try:
+            yield ClosingChunk(b"".join(renderer.stream_finish(turn)))
+        finally:
+            # After the closing chunk is written (with the body's end: proxy/relay.py), not before: calls
+            # whose acks come back in one batch each get their end out without waiting for the others'
+            # bookkeeping. Nothing awaits between that write and this (the server writes without yielding
+            # to the loop), so the session's next call still finds its branch; a hang-up at the write (the
+            # generator closed) runs it too.
+            _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
+            self.metrics.event("ok")
+            self.metrics.continuation(ctx.api, ctx.continuation)
+            self.metrics.stages(ctx.api, ctx.stages)
 
     def _detach(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

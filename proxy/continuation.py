@@ -132,7 +132,8 @@ class Continuations:
         # after a structured output); a turn cut by the limit or a stop string gets the template's close.
         ends_closed = branch.closed
         closing = [] if ends_closed else list(frame.close)
-        prompt = [*tokens, *closing, *glue, *new_ids]
+        prompt = tokens.tolist()
+        prompt += [*closing, *glue, *new_ids]
         return ExactPrompt(token_ids=prompt, prefix_tokens=len(tokens), new_tokens=len(prompt) - len(tokens),
                            closed_cut_turn=not ends_closed)
 
@@ -162,7 +163,7 @@ class Continuations:
         unexplained = False
         for span, served, echo in zip(branch.spans, branch.served, echoed):
             if span.text is None:
-                span.text = await self.tokens.detokenize(branch.tokens[span.start:span.end], model)
+                span.text = await self.tokens.detokenize(branch.tokens[span.start:span.end].tolist(), model)
             if _strip_close(span.text) in rendered_text:
                 continue
             found = False

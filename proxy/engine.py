@@ -11,8 +11,9 @@ httpx. Both clients' errors become :mod:`proxy.errors` exceptions.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -399,35 +400,40 @@ class VllmEngine:
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[list[EngineDelta], None]:
         """The engine's streamed reply as batches of chunks: each batch is what one read from the socket
         held, so that a proxy running behind relays what has piled up in one write instead of one write
-        per token. Closing the iterator cancels the request (the connection is dropped, which vLLM takes
-        as an abort).
+        per token. An error chunk (or one that is not JSON) ends it with that error, after the deltas
+        before it. Closing the iterator cancels the request (the connection is dropped, which vLLM takes
+        as an abort)."""
+        async with self._stream_reads(body) as reads:
+            lines = SseLines()
+            async for data in reads:
+                deltas, error = _deltas(lines.feed(data))
+                if deltas:
+                    yield deltas
+                if error is not None:
+                    raise error
+            deltas, error = _deltas(lines.close())
+            if deltas:
+                yield deltas
+            if error is not None:
+                raise error
 
-        Upstream is aiohttp (about a third of httpx's CPU per chunk, issue 17); an engine transport given
-        to the constructor (tests that rewrite the engine's replies) keeps the httpx client."""
-        if self._transport is not None:
-            async for batch in self._stream_httpx(body):
-                yield batch
-            return
+    def _stream_reads(self, body: dict[str, Any]) -> contextlib.AbstractAsyncContextManager[AsyncIterator[bytes]]:
+        """The streamed reply's body, one item a socket read, through aiohttp (about a third of httpx's CPU
+        per chunk, issue 17); an engine transport given to the constructor (tests that rewrite the engine's
+        replies) keeps the httpx client. Either client's errors leave as :mod:`proxy.errors` exceptions."""
+        return self._httpx_reads(body) if self._transport is not None else self._aiohttp_reads(body)
+
+    @contextlib.asynccontextmanager
+    async def _aiohttp_reads(self, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[bytes]]:
         session = self._aiohttp_session()
         try:
             async with session.post(self.url + "/v1/chat/completions", data=orjson.dumps(body),
                                     headers=_STREAM_HEADERS) as response:
                 if response.status != 200:
                     raise error_from_response(response.status, (await response.read()).decode(errors="replace"))
-                lines = SseLines()
                 finished = False
                 try:
-                    async for data in response.content.iter_any():
-                        deltas, error = _deltas(lines.feed(data))
-                        if deltas:
-                            yield deltas
-                        if error is not None:
-                            raise error
-                    deltas, error = _deltas(lines.close())
-                    if deltas:
-                        yield deltas
-                    if error is not None:
-                        raise error
+                    yield response.content.iter_any()
                     finished = True
                 finally:
                     if not finished:
@@ -437,24 +443,14 @@ class VllmEngine:
         except TimeoutError as exc:
             raise EngineTimeout(f"the engine did not answer in time: {exc!r}") from exc
 
-    async def _stream_httpx(self, body: dict[str, Any]) -> AsyncGenerator[list[EngineDelta], None]:
+    @contextlib.asynccontextmanager
+    async def _httpx_reads(self, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[bytes]]:
         try:
             async with self._client.stream("POST", "/v1/chat/completions", content=orjson.dumps(body),
                                            headers=_JSON) as response:
                 if response.status_code != 200:
                     raise error_from_response(response.status_code, (await response.aread()).decode(errors="replace"))
-                lines = SseLines()
-                async for data in response.aiter_bytes():  # content a transport already read, too
-                    deltas, error = _deltas(lines.feed(data))
-                    if deltas:
-                        yield deltas
-                    if error is not None:
-                        raise error
-                deltas, error = _deltas(lines.close())
-                if deltas:
-                    yield deltas
-                if error is not None:
-                    raise error
+                yield response.aiter_bytes()  # content a test transport already read, too
         except httpx.HTTPError as exc:
             raise translate_http_error(exc) from exc
 

@@ -32,7 +32,8 @@ MAX_JSON_DEPTH = 64
 
 
 def json_depth_error(document: Any, max_depth: int = MAX_JSON_DEPTH) -> str | None:
-    """Where ``document`` nests deeper than ``max_depth`` (a dotted path), or None when it does not.
+    """Where ``document`` (as a JSON decoder gives it: dicts, lists, scalars) nests deeper than
+    ``max_depth`` (a dotted path), or None when it does not.
 
     Iterative, so that a pathological document cannot exhaust Python's own recursion limit. A first pass
     counts container levels only (no paths: this runs on every request body); the path is traced only for
@@ -59,19 +60,27 @@ def json_depth_error(document: Any, max_depth: int = MAX_JSON_DEPTH) -> str | No
 
 
 def _deeper_than(document: Any, max_depth: int) -> bool:
-    """Whether a container nests more than ``max_depth`` levels deep (level by level, breadth first)."""
-    level = [document] if isinstance(document, dict | list) else []
+    """Whether a container nests more than ``max_depth`` levels deep (level by level, breadth first).
+
+    Runs on every request body, so it is written for speed: exact types (what a JSON decoder gives) and
+    no generator per container."""
+    level: list[Any] = [document] if isinstance(document, dict | list) else []
     depth = 0
     while level:
         depth += 1
         if depth > max_depth:
             return True
         below: list[Any] = []
+        append = below.append
         for value in level:
-            children = value.values() if isinstance(value, dict) else value
-            below.extend(child for child in children if isinstance(child, dict | list))
+            for child in (value.values() if type(value) is dict else value):
+                if type(child) in _CONTAINERS:
+                    append(child)
         level = below
     return False
+
+
+_CONTAINERS = (dict, list)
 
 
 def check_depth(document: Any, where: str = "", max_depth: int = MAX_JSON_DEPTH) -> None:

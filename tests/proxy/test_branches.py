@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from proxy.branches import MAX_BRANCHES, BranchStore
 from proxy.equivalence import same_arguments, same_message
 from schemas.completions import ChatMessage, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
+from schemas.prompt_chain import ChainLink
 
 SYSTEM = ChatMessage(role="system", content="You are a coding agent.")
 USER = ChatMessage(role="user", content="fix the test")
@@ -130,3 +133,33 @@ def test_a_branch_evicted_while_its_call_is_in_flight_is_recorded_and_continued(
     follow_up = request(SYSTEM, USER, served(call()), ChatMessage(role="tool", content="ok", tool_call_id="c1"))
     placement = store.place(follow_up)
     assert placement.kind == "continue" and placement.branch is in_flight
+
+
+def test_a_tool_changed_in_place_is_other_tools() -> None:
+    """The store reuses the last signature while the tools compare equal: a parameter changed deep inside
+    one tool (same names, same count) must still be other tools."""
+    store = BranchStore()
+    record(store, request(SYSTEM, USER), 0, served(call()))
+    follow_up = [SYSTEM, USER, served(call()), ChatMessage(role="tool", content="x")]
+    assert store.place(request(*follow_up)).kind == "continue"
+    changed = [ToolDefinition(name="shell", parameters={"type": "object",
+                                                        "properties": {"command": {"type": "integer"}}})]
+    assert store.place(request(*follow_up, tools=changed)).opened == "tools_differ"
+    assert store.place(request(*follow_up)).kind == "continue"  # and back
+
+
+def test_a_branch_keeps_its_tokens_packed_and_exact() -> None:
+    store = BranchStore()
+    req = request(SYSTEM, USER)
+    placement = store.place(req)
+    branch = store.open(placement, req, 0)
+    prompt, sampled = [0, 7, 2**31 - 1, 151_643], [9, 151_645]
+    store.record(branch, req, 0, prompt, sampled, served(call()), "stop", closed=True, retry=False)
+    assert branch.tokens.dtype == np.int32 and not branch.tokens.flags.writeable
+    assert branch.tokens.tolist() == prompt + sampled
+    assert branch.last_prompt == prompt and branch.prompt_length == len(prompt)
+    # With the recorded event's link, its tokens are the branch's (the same array, not a copy).
+    link_tokens = np.array(prompt + sampled, dtype=np.int32)
+    link = ChainLink("e1", "s", 0, link_tokens, (), [], 0, len(link_tokens))
+    store.record(branch, req, 1, prompt, sampled, served(call()), "stop", closed=True, retry=True, link=link)
+    assert branch.tokens is link_tokens and branch.last_prompt == prompt

@@ -1,0 +1,67 @@
+"""The stream's response (issue 17): the closing chunk goes out with the end of the body, in one message,
+and what the stream does after it (the session's bookkeeping) still runs, after the client has it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from proxy.relay import ClosingChunk, RelayResponse
+
+
+async def sent_by(first: bytes | None, rest: AsyncIterator[bytes]) -> list[dict[str, Any]]:
+    """The ASGI messages a RelayResponse sends for ``first`` and ``rest`` (a client that never hangs up)."""
+    messages: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # never a disconnect
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST"}
+    await RelayResponse(first, rest, media_type="text/event-stream")(scope, receive, send)
+    return messages
+
+
+def bodies(messages: list[dict[str, Any]]) -> list[tuple[bytes, bool]]:
+    return [(m["body"], m["more_body"]) for m in messages if m["type"] == "http.response.body"]
+
+
+def test_the_closing_chunk_ends_the_body_and_the_stream_runs_on() -> None:
+    seen: list[str] = []
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield b"data: 2\n\n"
+        try:
+            yield ClosingChunk(b"data: [DONE]\n\n")
+        finally:
+            seen.append("bookkeeping")
+        yield b"never sent"
+
+    messages = asyncio.run(sent_by(b"data: 1\n\n", stream()))
+    assert messages[0]["type"] == "http.response.start" and messages[0]["status"] == 200
+    assert bodies(messages) == [(b"data: 1\n\n", True), (b"data: 2\n\n", True), (b"data: [DONE]\n\n", False)]
+    assert seen == ["bookkeeping"]
+
+
+def test_a_stream_without_a_closing_chunk_ends_when_it_ends() -> None:
+    async def stream() -> AsyncIterator[bytes]:
+        yield b"a"
+        yield b"b"
+
+    assert bodies(asyncio.run(sent_by(None, stream()))) == [(b"a", True), (b"b", True), (b"", False)]
+
+
+def test_a_first_chunk_that_closes_ends_the_body_and_the_rest_still_runs() -> None:
+    seen: list[str] = []
+
+    async def rest() -> AsyncIterator[bytes]:
+        seen.append("bookkeeping")
+        yield b"never sent"
+
+    messages = asyncio.run(sent_by(ClosingChunk(b"data: [DONE]\n\n"), rest()))
+    assert bodies(messages) == [(b"data: [DONE]\n\n", False)]
+    assert seen == ["bookkeeping"]
