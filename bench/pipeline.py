@@ -410,8 +410,10 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"paced_worker_cpu_us_per_completion={paced_cpu_s / paced['completions'] * 1e6:.0f}")
     print(f"end_to_trajectory_p50_ms={paced['p50_ms']:.0f}")
     print(f"end_to_trajectory_max_ms={paced['max_ms']:.0f}")
+    # Calls that reached the worker after their session was built (missing from its trajectory): 0.
     print(f"worker_dead_lettered={health.get('dead_lettered')} worker_read_back={health.get('read_back')} "
-          f"worker_builds={health.get('trajectories')} worker_late={health.get('late')}")
+          f"worker_builds={health.get('trajectories')} worker_late={health.get('late')} "
+          f"worker_calls_after_build={health.get('calls_after_build')}")
     print(f"end_to_trajectory_p99_ms={paced['p99_ms']:.0f}")
     # The key figure last, the two throughputs it is the ratio of beside it (same run, same machine).
     print(f"events_per_s={flood['events_per_s']:.0f} transport_only_events_per_s={ceiling:.0f} "

@@ -135,7 +135,8 @@ class SessionAggregator:
         self._topic_specs = {registry.name(t): registry.spec(t) for t in Topic}
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
         self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
-                         "read_back": 0, "lost": 0, "unresolved": 0, "build_failures": 0}
+                         "read_back": 0, "lost": 0, "unresolved": 0, "build_failures": 0,
+                         "calls_after_build": 0}
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -190,6 +191,7 @@ class SessionAggregator:
                 session = OpenSession(record.partition, (), now, now)
             if spec.topic is Topic.COMPLETIONS:
                 if envelope.session_id in self.in_flight:
+                    self.counters["calls_after_build"] += 1
                     logger.warning("completion %s arrived after session %s was built; not in its trajectory",
                                    envelope.event_id, envelope.session_id)
                 assert record.value is not None  # peek refused a record without a value

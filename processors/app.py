@@ -205,12 +205,26 @@ async def flush() -> None:
         aggregator.flush(enter, keep=ours.__contains__)
     finally:
         _current_event.set(None)
-    await app.producer.buffer.flush()
+    await drain_changelog_buffer()
     await app.producer.flush()
     if assignments[0] != generation:
         return  # reassigned meanwhile: the records are read again by their partitions' owners
     for event in events:
         event.ack()
+
+
+async def drain_changelog_buffer() -> None:
+    """Wait until Faust's producer buffer (the changelog records of table writes) has handed every record
+    to the Kafka producer. Its own ``flush`` waits for each record separately (an event and a
+    ``wait_for`` task apiece: thousands per second of the worker's CPU); the buffer's sender empties it
+    in a step or two, so a short poll is enough."""
+    buffer = app.producer.buffer
+    spins = 0
+    while buffer.size:
+        spins += 1
+        if spins == 5000:  # about 5 s: say so, and go on waiting (acknowledging now could lose writes)
+            logger.warning("%d table writes still wait to be handed to the producer", buffer.size)
+        await asyncio.sleep(0 if spins < 8 else 0.001)
 
 
 @app.agent(inputs, concurrency=1)
@@ -360,6 +374,14 @@ async def start_builds() -> None:
     over before the tables are recovered); a build that comes first waits for them."""
     if isinstance(builds, PooledBuilds):
         await builds.start()
+
+
+@app.task
+async def size_changelog_buffer() -> None:
+    """Let Faust's producer buffer hold a whole flush of table writes. At its default (100 records) a
+    flush of a few hundred sessions' writes made the stream stop at every record until the buffer was
+    back under 100 ("producer buffer full"); :func:`flush` drains it anyway, every batch."""
+    app.producer.buffer.max_messages = max(1000, 4 * conf.batch_records)
 
 
 @app.task

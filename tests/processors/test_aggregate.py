@@ -262,6 +262,19 @@ def test_a_partition_ending_in_transaction_markers_counts_as_drained_once_quiet(
     assert not progress.read_up_to(["d"], 0, ts=9.0, now=500.0, highwater=ends)
 
 
+def test_a_record_of_the_same_millisecond_as_the_end_is_not_past_it() -> None:
+    """Record timestamps have millisecond resolution: another session's call stamped in the same
+    millisecond as an end may sit before this session's own last call of that millisecond. Only a later
+    timestamp (or the partition drained) says everything up to the end is in."""
+    progress = InputProgress(settle_s=1.0)
+    highwater = {("c", 0): 100}
+    ends = lambda topic, partition: highwater[topic, partition]  # noqa: E731
+    progress.saw("c", 0, 10, timestamp=9.0, now=100.0)
+    assert not progress.read_up_to(["c"], 0, ts=9.0, now=100.0, highwater=ends)
+    progress.saw("c", 0, 11, timestamp=9.001, now=100.0)
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=100.0, highwater=ends)
+
+
 # -- prompt deltas (issue 16) ----------------------------------------------------------------------------
 
 def _delta_plan(plan: SessionPlan) -> SessionPlan:
