@@ -137,14 +137,17 @@ class BuildProcess:
 
 class PooledBuilds(SessionBuilds):
     """Builds in ``processes`` build processes, each job to the one with the fewest jobs in hand, at most
-    ``max_in_flight`` jobs at once: past that, submit waits, which holds the stream back instead of
-    queueing records' bytes without bound. A process that dies fails the jobs it held (their sessions
-    are built again later) and is replaced at the next submit."""
+    ``max_in_flight`` jobs at once (256 per process by default): past that, submit waits, which holds
+    the stream back instead of queueing records' bytes without bound. The bound is high on purpose: an
+    agent held at every session end (it was 8 per process) made Faust's flow control stop handing out
+    records for seconds at a time in bench.pipeline's flood (the worker's catch-up read them back). A
+    job holds its session's record bytes, which the payload cache held until then. A process that dies
+    fails the jobs it held (their sessions are built again later) and is replaced at the next submit."""
 
     def __init__(self, processes: int, max_in_flight: int | None = None) -> None:
         self.processes: list[BuildProcess] = []
         self.size = processes
-        self._room = asyncio.Semaphore(max_in_flight or 8 * processes)
+        self._room = asyncio.Semaphore(max_in_flight or 256 * processes)
         self._tasks: set[asyncio.Task[None]] = set()
         self._starting: asyncio.Lock | None = None
         self._closed = False
