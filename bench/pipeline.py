@@ -4,9 +4,9 @@ Starts a worker (``python -m deploy.cli processors``, RocksDB tables) on a fresh
 broker at ``ROLLWIRE_KAFKA_BOOTSTRAP`` (default: the project's local one; ``rollwire up`` starts it),
 then pushes realistic sessions: ``--turns`` completions each, prompts extending each other (previous
 prompt + sampled reply + a tool result, real Qwen token ids), about ``--tokens`` prompt tokens per
-completion on average, each session's spec first and its ``session.ended`` right after its last
-completion. Events are encoded before the clock starts; the bench's producer and consumer run on the
-same machine as the broker and the worker.
+completion on average, each session's spec first and its ``session.ended`` once the broker has
+acknowledged its calls (as in a deployment). Events are encoded before the clock starts; the bench's
+producer and consumer run on the same machine as the broker and the worker.
 
 Two phases: ``flood`` (everything as fast as the producer can send: the worker's capacity,
 ``events_per_s`` = completion events / (last trajectory received - first event sent)); ``paced`` (at
@@ -241,6 +241,40 @@ class Workers:
             worker.stop()
 
 
+async def send_causally(producer: AIOKafkaProducer, order: list[Record], rate: float | None = None,
+                        started: float = 0.0, end_sent: dict[str, float] | None = None) -> None:
+    """Send ``order`` (paced at ``rate`` records/s from ``started``, or flat out), each session's end only
+    once the broker has acknowledged its calls, as in a deployment: the proxy answers a call's last token
+    after its ack, and the gateway writes the end after the harness is done. (The worker relies on that
+    order: its input topics are stamped with the broker's append time, schemas.topics.) ``end_sent``:
+    when each session's end went out."""
+    calls: dict[str, list[asyncio.Future]] = {}
+    pending: list[asyncio.Future] = []
+    ends: list[asyncio.Task[None]] = []
+
+    async def send_end(record: Record, acks: list[asyncio.Future]) -> None:
+        await asyncio.gather(*acks)
+        await (await producer.send(record.topic, record.value, key=record.key, headers=record.headers))
+        if end_sent is not None:
+            end_sent[record.session_id] = time.time()
+
+    for i, record in enumerate(order):
+        if rate:
+            lag = started + i / rate - time.time()
+            if lag > 0:
+                await asyncio.sleep(lag)
+        if record.is_end:
+            ends.append(asyncio.ensure_future(send_end(record, calls.pop(record.session_id, []))))
+            continue
+        future = await producer.send(record.topic, record.value, key=record.key, headers=record.headers)
+        calls.setdefault(record.session_id, []).append(future)
+        pending.append(future)
+        if len(pending) >= 2000:
+            await asyncio.gather(*pending)
+            pending.clear()
+    await asyncio.gather(*pending, *ends)
+
+
 async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | None, expect: int,
                     timeout_s: float) -> dict[str, float]:
     """Send ``order`` (paced at ``rate`` events/s, or flat out) and read ``expect`` trajectories."""
@@ -265,20 +299,7 @@ async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | Non
     reader = asyncio.create_task(read())
     started = time.time()
     try:
-        pending = []
-        for i, record in enumerate(order):
-            if rate:
-                lag = started + i / rate - time.time()
-                if lag > 0:
-                    await asyncio.sleep(lag)
-            future = await producer.send(record.topic, record.value, key=record.key, headers=record.headers)
-            if record.is_end:
-                end_sent[record.session_id] = time.time()
-            pending.append(future)
-            if len(pending) >= 2000:
-                await asyncio.gather(*pending)
-                pending.clear()
-        await asyncio.gather(*pending)
+        await send_causally(producer, order, rate, started, end_sent)
         sent_all = time.time()
         await asyncio.wait_for(reader, timeout_s)
     finally:
@@ -319,8 +340,7 @@ async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float, lis
             cpu0 = workers.cpu_s()
             started = time.time()
             try:
-                pending = [await producer.send(r.topic, r.value, key=r.key, headers=r.headers) for r in order]
-                await asyncio.gather(*pending)
+                await send_causally(producer, order)
             finally:
                 await producer.stop()
             counted += len(order)
