@@ -357,7 +357,8 @@ def run_rollout(cluster: KafkaCluster, work: Path, *, tasks: int, samples: int, 
             done.set()
             if breaker is not None:
                 breaker.join()
-            trainer.join(timeout=120)
+            if trainer.ident is not None:  # started (set-up may have failed before)
+                trainer.join(timeout=120)
             outcome.feed_groups = len(delivered)
             outcome.feed_repeated_groups = sum(1 for n in delivered.values() if n > 1)
             _save_health(work, [os.environ["ROLLWIRE_PROCESSORS_PORT"]]

@@ -37,6 +37,7 @@ from aiokafka.errors import (
     KafkaError,
     NotCoordinatorForGroupError,
     TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
     for_code,
 )
 
@@ -147,15 +148,25 @@ class KafkaAdmin:
             raise TopicSetupError(f"Kafka at {self.bootstrap} did not describe its topics: {exc!r}") from exc
         return {topic["topic"]: len(topic["partitions"]) for topic in described if topic["error_code"] == 0}
 
-    async def partitions(self, name: str) -> list[PartitionState]:
-        """Each partition of topic ``name`` with its leader and replicas, by partition number."""
-        try:
-            (described,) = await self._admin.describe_topics([name])
-        except KafkaError as exc:
-            raise TransportError(f"Kafka at {self.bootstrap} did not describe {name}: {exc!r}") from exc
-        if described["error_code"] != 0:
-            raise TransportError(f"Kafka at {self.bootstrap} cannot describe {name}: "
-                                 f"{for_code(described['error_code']).__name__}")
+    async def partitions(self, name: str, *, unknown_wait_s: float = 10.0) -> list[PartitionState]:
+        """Each partition of topic ``name`` with its leader and replicas, by partition number.
+
+        In a cluster, the node asked may not have heard yet of a topic created a moment ago (the
+        controller's metadata reaches each broker on its own time): an unknown topic is asked about again
+        for up to ``unknown_wait_s`` before it is an error (seen in CI on a fresh three-node cluster)."""
+        deadline = time.monotonic() + unknown_wait_s
+        while True:
+            try:
+                (described,) = await self._admin.describe_topics([name])
+            except KafkaError as exc:
+                raise TransportError(f"Kafka at {self.bootstrap} did not describe {name}: {exc!r}") from exc
+            code = described["error_code"]
+            if code == UnknownTopicOrPartitionError.errno and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                continue
+            break
+        if code != 0:
+            raise TransportError(f"Kafka at {self.bootstrap} cannot describe {name}: {for_code(code).__name__}")
         return sorted((PartitionState(p["partition"], p["leader"], tuple(p["replicas"]), tuple(p["isr"]))
                        for p in described["partitions"]), key=lambda state: state.partition)
 
@@ -168,30 +179,53 @@ class KafkaAdmin:
         return sorted(int(broker["node_id"]) for broker in brokers)
 
     async def create(self, topics: Sequence[ExtraTopic], max_message_bytes: int = MAX_MESSAGE_BYTES, *,
-                     replication_factor: int = 1, min_insync_replicas: int = 1) -> list[str]:
+                     replication_factor: int = 1, min_insync_replicas: int = 1,
+                     settle_s: float = 15.0) -> list[str]:
         """Create ``topics`` with ``replication_factor`` replicas each; return those this call created. A
-        topic that exists already, or that another client creates at the same moment, is not an error."""
+        topic that exists already, or that another client creates at the same moment, is not an error.
+
+        A cluster that has just started may list enough live brokers while its controller does not count
+        them all yet, and refuses the replication factor: while the brokers listed are enough, the topics
+        refused for that reason are asked for again, for up to ``settle_s`` (fewer brokers than replicas is
+        an error at once)."""
+        deadline = time.monotonic() + settle_s
+        created: list[str] = []
+        while True:
+            done, short, failures = await self._create_once(topics, max_message_bytes, replication_factor,
+                                                            min_insync_replicas)
+            created += done
+            if short and not failures and time.monotonic() < deadline \
+                    and len(await self.broker_ids()) >= replication_factor:
+                topics = [t for t in topics if t.name in short]
+                await asyncio.sleep(0.5)
+                continue
+            failures += [f"{name}: the cluster has fewer live brokers than {replication_factor} replicas "
+                         "(ROLLWIRE_REPLICATION_FACTOR)" for name in short]
+            if failures:
+                raise TopicSetupError("creating topics failed: " + "; ".join(failures))
+            return created
+
+    async def _create_once(self, topics: Sequence[ExtraTopic], max_message_bytes: int, replication_factor: int,
+                           min_insync_replicas: int) -> tuple[list[str], set[str], list[str]]:
+        """One CreateTopics request: (created, refused for too few live brokers, other failures)."""
         if not topics:
-            return []
+            return [], set(), []
         new = [NewTopic(t.name, t.partitions, replication_factor,
                         topic_configs=t.configs(max_message_bytes, min_insync_replicas)) for t in topics]
         try:
             response = await self._admin.create_topics(new, timeout_ms=int(self.timeout_s * 1000))
         except KafkaError as exc:
             raise TopicSetupError(f"Kafka at {self.bootstrap} refused topic set-up: {exc!r}") from exc
-        created, failures = [], []
+        created, short, failures = [], set(), []
         for entry in response.topic_errors:
             name, code, message = entry[0], entry[1], (entry[2] if len(entry) > 2 else None)
             if code == 0:
                 created.append(name)
             elif code == InvalidReplicationFactorError.errno:
-                failures.append(f"{name}: the cluster has fewer live brokers than {replication_factor} replicas "
-                                "(ROLLWIRE_REPLICATION_FACTOR)")
+                short.add(name)
             elif code != TopicAlreadyExistsError.errno:
                 failures.append(f"{name}: {for_code(code).__name__} {message or ''}".strip())
-        if failures:
-            raise TopicSetupError("creating topics failed: " + "; ".join(failures))
-        return created
+        return created, short, failures
 
     async def wait_for_leaders(self, names: Sequence[str], deadline: float) -> None:
         """Return once every partition of every named topic has a leader (``deadline``: time.monotonic())."""

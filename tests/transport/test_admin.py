@@ -76,6 +76,21 @@ async def test_ensure_topics_again_creates_nothing(settings: KafkaSettings) -> N
     assert await ensure_topics(settings) == []
 
 
+async def test_describing_a_topic_that_never_appears_is_an_error(settings: KafkaSettings) -> None:
+    """A topic not known yet is asked about again for a while (a cluster node may not have heard of a new
+    one); one that never appears is still an error naming why."""
+    async with KafkaAdmin(settings.kafka_bootstrap) as admin:
+        with pytest.raises(TransportError, match="UnknownTopicOrPartitionError"):
+            await admin.partitions(f"{settings.topic_prefix}never-created", unknown_wait_s=0.5)
+
+
+async def test_more_replicas_than_brokers_is_refused_naming_the_setting(settings: KafkaSettings) -> None:
+    """One broker, three replicas asked: refused at once (the brokers listed are too few to wait for)."""
+    async with KafkaAdmin(settings.kafka_bootstrap) as admin:
+        with pytest.raises(TopicSetupError, match="fewer live brokers than 3 replicas .ROLLWIRE_REPLICATION_FACTOR"):
+            await admin.create([ExtraTopic(f"{settings.topic_prefix}three-replicas", 1)], replication_factor=3)
+
+
 async def test_partition_count_disagreement_is_refused(settings: KafkaSettings) -> None:
     await ensure_topics(settings)
     other = settings.model_copy(update={"session_partitions": settings.session_partitions + 1})
