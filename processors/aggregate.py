@@ -28,7 +28,7 @@ import orjson
 
 from processors.intake import dead_letter, peek
 from processors.payloads import PayloadCache
-from processors.progress import MARKER_GAP, InputProgress
+from processors.progress import InputProgress
 from processors.session_builds import BuildJob, BuildResult, InlineBuilds, SessionBuilds, TrajectoryRecord
 from processors.writebehind import BufferedTable
 from processors.writebehind import discard as discard_pending
@@ -46,6 +46,7 @@ from schemas.codec import EventDecodeError, decode_event
 from schemas.dead_letter import DeadLetter
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic, TopicRegistry
+from schemas.transport import TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,11 @@ class Outputs:
     # group's committed offset), None if unknown. Without it, a partition with nothing processed since
     # the assignment counts as drained once the worker has been active for settle_s.
     read_from: Callable[[str, int], int | None] | None = None
+    # Ask the broker the end offsets of these (topic, partition)s now. The consumer's high watermark is
+    # only as fresh as its last fetch of a partition (a paused one is not fetched): a session's last call
+    # can lie past it. With this, a partition counts as drained only by an end asked after the session's
+    # end record was handled (processors.progress); without it, by the high watermark.
+    log_ends: Callable[[list[tuple[str, int]]], Awaitable[dict[tuple[str, int], int]]] | None = None
 
 
 class SessionAggregator:
@@ -126,8 +132,9 @@ class SessionAggregator:
         self.in_flight: set[str] = set()  # built and sent, not yet acknowledged (derived; reset on rebalance)
         self._asked: dict[str, float] = {}  # control records recently sent, to not repeat them every tick
         # Ended sessions waiting for their partition's other inputs to be read up to the end record
-        # (derived, reset on rebalance; after a restart the timer finds them in the table).
-        self._waiting: dict[int, dict[str, float]] = {}
+        # (derived, reset on rebalance; after a restart the timer finds them in the table): session id ->
+        # (the end record's timestamp, the worker clock when it was handled).
+        self._waiting: dict[int, dict[str, tuple[float, float]]] = {}
         # The open table in memory, parsed (see _sessions), and the specs' facts as they are read.
         self._open: dict[bytes, OpenSession] | None = None
         self._specs: dict[bytes, SpecFacts] = {}
@@ -166,7 +173,7 @@ class SessionAggregator:
                 self._stage(touched)
                 await self._control(record)
                 continue
-            self.progress.saw(record.topic, record.partition, record.offset, record.timestamp, self.clock())
+            self.progress.saw(record.topic, record.partition, record.offset, record.timestamp)
             partitions.add(record.partition)
             spec = self._topic_specs.get(record.topic) or self.registry.by_name(record.topic)
             try:
@@ -200,7 +207,7 @@ class SessionAggregator:
             elif isinstance(event, SessionEnded):
                 end = EndFacts.of(event, record.timestamp)
                 session = session.ended(end, now)
-                self._waiting.setdefault(session.partition, {})[envelope.session_id] = end.record_ts
+                self._waiting.setdefault(session.partition, {})[envelope.session_id] = (end.record_ts, now)
             else:
                 session = session.touched(now)
             touched[sid] = session
@@ -220,33 +227,43 @@ class SessionAggregator:
         waiting = self._waiting[partition]
         # Oldest end first: a partition read past a later end record is read past every earlier one, so
         # the first session not ready yet stops the scan (checking them all on every record cost O(n²)).
-        for session_id, ts in sorted(waiting.items(), key=lambda item: item[1]):
-            if not self._read_up_to(partition, ts, now):
+        for session_id, (ts, seen_at) in sorted(waiting.items(), key=lambda item: item[1][0]):
+            if not self._read_up_to(partition, ts, now, seen_at):
                 break
             del waiting[session_id]
             session = self._sessions().get(session_id.encode())
             if session is not None:
                 await self._build(session_id, session, partial=False)
 
-    def _ready(self, session: OpenSession, now: float) -> bool:
+    def _ready(self, session_id: str, session: OpenSession, now: float) -> bool:
         assert session.end is not None
-        return self._read_up_to(session.partition, session.end.record_ts, now)
+        # An end handled before this assignment (absent here) was on the broker before any end asked since.
+        seen_at = self._waiting.get(session.partition, {}).get(session_id, (0.0, 0.0))[1]
+        return self._read_up_to(session.partition, session.end.record_ts, now, seen_at)
 
-    def _read_up_to(self, partition: int, ts: float, now: float) -> bool:
+    def _end_of(self, since: float) -> Callable[[str, int], int | None]:
+        """Where each input partition ends, as known since ``since`` (see Outputs.log_ends)."""
+        if self.out.log_ends is None:
+            return self.out.highwater
+        return lambda topic, partition: self.progress.log_end(topic, partition, since)
+
+    def _read_up_to(self, partition: int, ts: float, now: float, since: float) -> bool:
         """Whether the other inputs' ``partition`` is read up to ``ts`` (processors.progress), and, for an
         input with nothing processed since the assignment, that nothing is waiting there: its records
         from the committed offset on are still to come (after a rebalance the small session events are
         read far ahead of the completions; seen: a session built from its first call only, its later
-        calls read after the build)."""
+        calls read after the build). An end offset counts only if asked after ``since``, when the
+        session's end was handled."""
+        end_of = self._end_of(since)
         if self.out.read_from is not None:
             for topic in self._others:
                 if self.progress.processed(topic, partition):  # processed since the assignment
                     continue
-                start, end = self.out.read_from(topic, partition), self.out.highwater(topic, partition)
-                # A few offsets short may be transaction markers only (see processors.progress).
-                if start is not None and (end is None or end - start > MARKER_GAP):
+                start, end = self.out.read_from(topic, partition), end_of(topic, partition)
+                # Records (or transaction markers, until a catch-up reads them back) are still to come.
+                if start is not None and (end is None or end > start):
                     return False
-        return self.progress.read_up_to(self._others, partition, ts, now, self.out.highwater)
+        return self.progress.read_up_to(self._others, partition, ts, now, end_of)
 
     # -- building ------------------------------------------------------------------------------------
 
@@ -332,7 +349,7 @@ class SessionAggregator:
         if session is None or sid in self.t.built or session_id in self.in_flight:
             return
         now = self.clock()
-        if kind == "finalize" and session.end is not None and self._ready(session, now):
+        if kind == "finalize" and session.end is not None and self._ready(session_id, session, now):
             await self._build(session_id, session, partial=False)
         elif kind == "deadline" and session.end is None and now >= self._deadline(sid, session):
             await self._build(session_id, session, partial=True)
@@ -350,6 +367,11 @@ class SessionAggregator:
         since = self.progress.active_since if self.progress.active_since is not None else self.clock()
         return deadline(session, spec, idle_s=self.idle_s, grace_s=self.grace_s, active_since=since)
 
+    def read_back(self, topic: str, partition: int, end: int) -> None:
+        """The worker read ``topic``/``partition`` back from the log up to ``end`` (exclusive) and handled
+        what it found: the offsets without a record there (transaction markers) are accounted for."""
+        self.progress.accounted(topic, partition, end - 1)
+
     def emitted_record(self, trajectory: TrajectoryRecord) -> dict[str, Any]:
         return {"kind": "emitted", "session_id": trajectory.session_id, "event_id": trajectory.event_id}
 
@@ -364,6 +386,8 @@ class SessionAggregator:
         now = self.clock()
         if self.progress.active_since is None:
             self.progress.active_since = now
+        due: list[tuple[str, OpenSession, str]] = []
+        ended: list[tuple[str, OpenSession]] = []  # ended, not read up to their end yet
         for sid, session in list(self._sessions().items()):
             session_id = sid.decode()
             if session.partition not in active_partitions or session_id in self.in_flight:
@@ -371,16 +395,31 @@ class SessionAggregator:
             if now - self._asked.get(session_id, 0.0) < max(2.0, 4 * self.progress.settle_s):
                 continue
             if session.end is not None:
-                if self._ready(session, now):
-                    kind = "finalize"
+                if self._ready(session_id, session, now):
+                    due.append((session_id, session, "finalize"))
                 else:
-                    continue
+                    ended.append((session_id, session))
             elif now >= self._deadline(sid, session):
-                kind = "deadline"
-            else:
-                continue
+                due.append((session_id, session, "deadline"))
+        if ended and await self._ask_ends({session.partition for _, session in ended}):
+            due += [(session_id, session, "finalize") for session_id, session in ended
+                    if self._ready(session_id, session, now)]
+        for session_id, session, kind in due:
             self._asked[session_id] = now
             await self.out.send_control(session_id, session.partition, {"kind": kind, "session_id": session_id})
+
+    async def _ask_ends(self, partitions: set[int]) -> bool:
+        """Ask the broker where the other inputs' ``partitions`` end now (see Outputs.log_ends)."""
+        if self.out.log_ends is None:
+            return False
+        asked_at = self.clock()  # before the request: the broker answers with its ends at or after this
+        try:
+            ends = await self.out.log_ends([(topic, p) for topic in self._others for p in sorted(partitions)])
+        except TransportError as exc:  # the next tick asks again
+            logger.warning("cannot ask where partitions %s end: %r", sorted(partitions), exc)
+            return False
+        self.progress.asked_ends(ends, asked_at)
+        return True
 
     def reset(self, partitions: set[int] | None = None) -> None:
         """Partitions were revoked or assigned: drop what was derived from the old assignment."""

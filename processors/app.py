@@ -150,7 +150,8 @@ async def _baseline() -> None:
 # or in place with none.
 builds: SessionBuilds = PooledBuilds(conf.build_processes) if conf.build_processes else InlineBuilds()
 aggregator = SessionAggregator(
-    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read, continuity.committed),
+    tables, Outputs(send_trajectory, send_dead_letter, send_control, highwater, log_reader.read, continuity.committed,
+                    range_reader.end_offsets),
     registry,
     control_topic=control_topic(kafka, conf.app_id), group=app.conf.id, idle_s=conf.idle_s,
     grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes,
@@ -298,6 +299,7 @@ async def sessions(stream: faust.StreamT) -> None:
         continuity.handled(message.topic, message.partition, message.offset)
         for gap in tails:
             continuity.read_to(gap)
+            aggregator.read_back(gap.topic, gap.partition, gap.end)
         # Only now: the flush timer (which may run while the record awaits a send) acknowledges it.
         unflushed.append(event)
         if len(unflushed) >= conf.batch_records:

@@ -195,6 +195,19 @@ class RangeReader:
                     break
             return [found[o] for o in sorted(found)]
 
+    async def end_offsets(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """Where each (topic, partition) ends on the broker now (one request per topic)."""
+        by_topic: dict[str, list[int]] = {}
+        for topic, partition in partitions:
+            by_topic.setdefault(topic, []).append(partition)
+        out: dict[tuple[str, int], int] = {}
+        async with self._lock:
+            for topic, numbers in by_topic.items():
+                consumer = await self._consumer(topic)
+                ends = await consumer.end_offsets([consumer_tp(topic, p) for p in numbers])
+                out.update(((tp.topic, tp.partition), end) for tp, end in ends.items())
+        return out
+
     async def committed(self, group_id: str, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """The group's committed offset of each partition; the log's start for one with none."""
         wanted = list(partitions)

@@ -248,18 +248,20 @@ async def test_a_flush_drops_writes_of_partitions_no_longer_ours() -> None:
     assert tables.open == {} and tables.specs == {} and aggregator.t.open.get(b"d1") is None
 
 
-def test_a_partition_ending_in_transaction_markers_counts_as_drained_once_quiet() -> None:
+def test_a_partition_ending_in_transaction_markers_counts_as_drained_once_they_are_read_back() -> None:
     """A transactional producer's commit marker takes an offset no consumer sees: the last record read is
-    one short of the high watermark. That gap counts as drained after settle_s without records, not before;
-    a gap larger than a few markers never does."""
+    one short of the partition's end. However long it stays quiet (a record held back by a paused
+    partition is quiet too), that gap counts as drained only once the worker read it back from the log
+    and found no record there."""
     progress = InputProgress(settle_s=1.0)
-    progress.saw("c", 0, 41, timestamp=5.0, now=100.0)
-    highwater = {("c", 0): 43, ("d", 0): 60}
+    progress.saw("c", 0, 41, timestamp=5.0)
+    highwater = {("c", 0): 43}
     ends = lambda topic, partition: highwater[topic, partition]  # noqa: E731
-    assert not progress.read_up_to(["c"], 0, ts=9.0, now=100.5, highwater=ends)
-    assert progress.read_up_to(["c"], 0, ts=9.0, now=101.0, highwater=ends)
-    progress.saw("d", 0, 41, timestamp=5.0, now=100.0)  # 18 records still to read: lagging, not markers
-    assert not progress.read_up_to(["d"], 0, ts=9.0, now=500.0, highwater=ends)
+    assert not progress.read_up_to(["c"], 0, ts=9.0, now=500.0, highwater=ends)
+    progress.accounted("c", 0, 42)
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=500.0, highwater=ends)
+    progress.accounted("c", 0, 30)  # an older read-back moves nothing back
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=500.0, highwater=ends)
 
 
 def test_a_record_of_the_same_millisecond_as_the_end_is_not_past_it() -> None:
@@ -269,10 +271,59 @@ def test_a_record_of_the_same_millisecond_as_the_end_is_not_past_it() -> None:
     progress = InputProgress(settle_s=1.0)
     highwater = {("c", 0): 100}
     ends = lambda topic, partition: highwater[topic, partition]  # noqa: E731
-    progress.saw("c", 0, 10, timestamp=9.0, now=100.0)
+    progress.saw("c", 0, 10, timestamp=9.0)
     assert not progress.read_up_to(["c"], 0, ts=9.0, now=100.0, highwater=ends)
-    progress.saw("c", 0, 11, timestamp=9.001, now=100.0)
+    progress.saw("c", 0, 11, timestamp=9.001)
     assert progress.read_up_to(["c"], 0, ts=9.0, now=100.0, highwater=ends)
+
+
+def test_an_end_offset_counts_only_if_asked_after_the_end_was_handled() -> None:
+    progress = InputProgress(settle_s=1.0)
+    progress.asked_ends({("c", 0): 12}, asked_at=5.0)
+    assert progress.log_end("c", 0, since=6.0) is None  # asked before: may not hold what came before the end
+    assert progress.log_end("c", 0, since=5.0) == 12
+    assert progress.log_end("c", 1, since=0.0) is None  # never asked
+    progress.reset()
+    assert progress.log_end("c", 0, since=0.0) is None
+
+
+async def test_a_stale_high_watermark_does_not_build_a_session_without_its_last_call() -> None:
+    """The consumer's high watermark is only as fresh as its last fetch of a partition: here it says the
+    completions are drained while the session's last call (acknowledged before its end was sent) is on
+    the log and not handed out yet. The session waits for an end asked from the broker after its end
+    was handled, and is built with every call once that call is in."""
+    plan = linear_session("s1", turns=3, seed=31)
+    kafka, tables = FakeKafka(), _tables()
+    records = _records(plan, kafka)
+    completions = REGISTRY.name(Topic.COMPLETIONS)
+    last_call = max((r for r in records if r.topic == completions), key=lambda r: r.offset)
+    broker_ends = dict(kafka.ends)  # the log as the broker has it: every record on it
+    kafka.ends[completions] = last_call.offset  # the consumer's last fetch: before the last call
+    asked: list[list[tuple[str, int]]] = []
+
+    async def log_ends(partitions: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        asked.append(partitions)
+        return {(topic, p): broker_ends.get(topic, 0) for topic, p in partitions}
+
+    controls: list[dict[str, Any]] = []
+
+    async def send_control(session_id: str, partition: int, record: dict[str, Any]) -> None:
+        controls.append(record)
+
+    outputs = kafka.outputs()
+    outputs.log_ends, outputs.send_control = log_ends, send_control
+    clock = [100.0]
+    aggregator = SessionAggregator(tables, outputs, REGISTRY, control_topic=CONTROL, group="g", idle_s=600,
+                                   grace_s=30, settle_s=0, max_message_bytes=8 << 20, clock=lambda: clock[0])
+    for record in records:
+        if record is not last_call:
+            await aggregator.handle(record)
+    assert kafka.trajectories == []  # the high watermark says drained; no end asked since the end: wait
+    clock[0] += 0.5
+    await aggregator.tick({1})
+    assert asked and controls == []  # the broker's end lies past the last call handled: not ready
+    await aggregator.handle(last_call)
+    assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan))]
 
 
 # -- prompt deltas (issue 16) ----------------------------------------------------------------------------
