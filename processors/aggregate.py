@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from processors.intake import dead_letter, peek
+from processors.intake import completion_session, dead_letter, peek
 from processors.payloads import PayloadCache
 from processors.progress import InputProgress
 from processors.session_builds import BuildJob, BuildResult, InlineBuilds, SessionBuilds, TrajectoryRecord
@@ -44,6 +44,7 @@ from processors.open_sessions import (
 )
 from schemas.codec import EventDecodeError, decode_event
 from schemas.dead_letter import DeadLetter
+from schemas.envelope import Event
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic, TopicRegistry
 from schemas.transport import TransportError
@@ -176,13 +177,17 @@ class SessionAggregator:
             self.progress.saw(record.topic, record.partition, record.offset, record.timestamp)
             partitions.add(record.partition)
             spec = self._topic_specs.get(record.topic) or self.registry.by_name(record.topic)
-            try:
-                envelope = peek(record.value, record.key, spec)
-                event = None if spec.topic is Topic.COMPLETIONS else decode_event(record.value, spec)
-            except EventDecodeError as exc:
-                await self._dead_letter(record, exc.error_type, exc.reason)
-                continue
-            sid = envelope.session_id.encode()
+            event: Event | None = None
+            session_id = completion_session(record.value, record.key, record.headers) \
+                if spec.topic is Topic.COMPLETIONS else None
+            if session_id is None:  # not a completion, or not one its headers vouch for
+                try:
+                    session_id = peek(record.value, record.key, spec).session_id
+                    event = None if spec.topic is Topic.COMPLETIONS else decode_event(record.value, spec)
+                except EventDecodeError as exc:
+                    await self._dead_letter(record, exc.error_type, exc.reason)
+                    continue
+            sid = session_id.encode()
             session = touched.get(sid) or self._sessions().get(sid)
             # An open session is not built; only a session's first record (or a late one) asks the table.
             if session is None and sid in self.t.built:
@@ -197,17 +202,17 @@ class SessionAggregator:
             if session is None:
                 session = OpenSession(record.partition, (), now, now)
             if spec.topic is Topic.COMPLETIONS:
-                if envelope.session_id in self.in_flight:
+                if session_id in self.in_flight:
                     self.counters["calls_after_build"] += 1
-                    logger.warning("completion %s arrived after session %s was built; not in its trajectory",
-                                   envelope.event_id, envelope.session_id)
-                assert record.value is not None  # peek refused a record without a value
+                    logger.warning("completion at %s[%d]@%d arrived after session %s was built; not in its "
+                                   "trajectory", record.topic, record.partition, record.offset, session_id)
+                assert record.value is not None  # completion_session and peek refuse a record without one
                 self.payloads.put(record.partition, record.offset, record.value)
                 session = session.with_call(record.offset, now)
             elif isinstance(event, SessionEnded):
                 end = EndFacts.of(event, record.timestamp)
                 session = session.ended(end, now)
-                self._waiting.setdefault(session.partition, {})[envelope.session_id] = (end.record_ts, now)
+                self._waiting.setdefault(session.partition, {})[session_id] = (end.record_ts, now)
             else:
                 session = session.touched(now)
             touched[sid] = session

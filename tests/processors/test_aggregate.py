@@ -18,7 +18,8 @@ from processors.payloads import PayloadCache
 from processors.progress import InputProgress
 from processors.open_sessions import CallRef, OpenSession
 from processors.session_builds import TrajectoryRecord
-from schemas.codec import decode_event, encode_event
+from processors.intake import completion_session
+from schemas.codec import HEADER_EVENT_TYPE, HEADER_SCHEMA_VERSION, decode_event, encode_event, event_headers
 from schemas.dead_letter import DeadLetter
 from schemas.prompt_chain import is_delta, write_session
 from schemas.topics import Topic, TopicRegistry
@@ -324,6 +325,56 @@ async def test_a_stale_high_watermark_does_not_build_a_session_without_its_last_
     assert asked and controls == []  # the broker's end lies past the last call handled: not ready
     await aggregator.handle(last_call)
     assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan))]
+
+
+async def test_completions_vouched_for_by_their_headers_are_checked_in_full_at_the_build() -> None:
+    """A completion whose headers name the event type and a schema version this worker reads is taken by
+    its key without parsing its value; its full validation at the build still catches a record whose
+    value is not JSON or belongs to another session (dead-lettered then, the trajectory built without
+    it). Records without those headers are checked at the door, as before."""
+    plan = linear_session("h1", turns=3, seed=41)
+    kafka, tables = FakeKafka(), _tables()
+    letters: list[DeadLetter] = []
+
+    async def send_dead_letter(letter: DeadLetter) -> None:
+        letters.append(letter)
+
+    outputs = kafka.outputs()
+    outputs.send_dead_letter = send_dead_letter
+    aggregator = SessionAggregator(tables, outputs, REGISTRY, control_topic=CONTROL, group="g", idle_s=600,
+                                   grace_s=30, settle_s=0, max_message_bytes=8 << 20)
+    records = _records(plan, kafka)
+    completions = REGISTRY.name(Topic.COMPLETIONS)
+    vouched = event_headers(plan.completions[0])
+    for record in records:
+        if record.topic == completions:
+            record.headers = vouched
+    other = linear_session("h2", turns=1, seed=42).completions[0]
+    lying = [Rec(completions, 1, 50, b"{not json", b"h1", headers=vouched),
+             Rec(completions, 1, 51, encode_event(other), b"h1", headers=vouched)]
+    unvouched = Rec(completions, 1, 52, b"{not json either", b"h1")  # no headers: checked at the door
+    for record in lying:
+        kafka.log[1, record.offset] = record.value  # type: ignore[index]
+    for record in [*records[:2], *lying, unvouched, *records[2:]]:
+        await aggregator.handle(record)
+    assert [(letter.offset, letter.error_type) for letter in letters] == \
+        [(52, "invalid_json"), (50, "invalid_json"), (51, "key_mismatch")]
+    assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan))]
+
+
+def test_completion_session_needs_the_completion_headers_and_a_key() -> None:
+    call = linear_session("k1", turns=1, seed=43).completions[0]
+    headers = event_headers(call)
+    assert completion_session(b"{}", b"k1", headers) == "k1"
+    assert completion_session(b"{}", b"k1", dict(headers)) == "k1"
+    assert completion_session(b"{}", None, headers) is None
+    assert completion_session(None, b"k1", headers) is None
+    assert completion_session(b"{}", b"\xff", headers) is None  # not UTF-8: peek says what is wrong
+    assert completion_session(b"{}", b"k1", None) is None
+    wrong_version = [(name, b"99" if name == HEADER_SCHEMA_VERSION else value) for name, value in headers]
+    assert completion_session(b"{}", b"k1", wrong_version) is None
+    other_type = [(name, b"session.ended" if name == HEADER_EVENT_TYPE else value) for name, value in headers]
+    assert completion_session(b"{}", b"k1", other_type) is None
 
 
 # -- prompt deltas (issue 16) ----------------------------------------------------------------------------
