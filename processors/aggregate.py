@@ -18,6 +18,7 @@ a rebuild from the same inputs, i.e. the same trajectory event id, which readers
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
@@ -136,6 +137,11 @@ class SessionAggregator:
         # (derived, reset on rebalance; after a restart the timer finds them in the table): session id ->
         # (the end record's timestamp, the worker clock when it was handled).
         self._waiting: dict[int, dict[str, tuple[float, float]]] = {}
+        # Partitions whose oldest waiting session lacks only an end asked from the broker since its end
+        # was handled (the consumer's own view says drained): the app asks at once (ask_wanted_ends)
+        # rather than at the next tick, then sends each a "recheck" control record.
+        self.ends_wanted: set[int] = set()
+        self.ends_needed = asyncio.Event()
         # The open table in memory, parsed (see _sessions), and the specs' facts as they are read.
         self._open: dict[bytes, OpenSession] | None = None
         self._specs: dict[bytes, SpecFacts] = {}
@@ -234,11 +240,34 @@ class SessionAggregator:
         # the first session not ready yet stops the scan (checking them all on every record cost O(n²)).
         for session_id, (ts, seen_at) in sorted(waiting.items(), key=lambda item: item[1][0]):
             if not self._read_up_to(partition, ts, now, seen_at):
+                self._want_ends(partition, ts, now, seen_at)
                 break
             del waiting[session_id]
             session = self._sessions().get(session_id.encode())
             if session is not None:
                 await self._build(session_id, session, partial=False)
+
+    def _want_ends(self, partition: int, ts: float, now: float, since: float) -> None:
+        """Want the broker's ends of ``partition`` if by the consumer's high watermarks it is read up to
+        ``ts`` but some input has no end asked since ``since``: the last sessions of a burst, or of a
+        quiet partition, would otherwise wait for the next tick. Once asked, the stream's own records
+        (or the next tick) move the session on; it is not wanted again."""
+        if self.out.log_ends is None or partition in self.ends_wanted:
+            return
+        if any(self.progress.log_end(topic, partition, since) is None for topic in self._others) and \
+                self.progress.read_up_to(self._others, partition, ts, now, self.out.highwater):
+            self.ends_wanted.add(partition)
+            self.ends_needed.set()
+
+    async def ask_wanted_ends(self, active_partitions: set[int]) -> set[int]:
+        """Ask the broker where the wanted partitions (of ``active_partitions``) end; returns those asked,
+        to each of which the app sends a "recheck" control record (their waiting sessions are looked at
+        again, by the agent)."""
+        partitions, self.ends_wanted = self.ends_wanted & active_partitions, set()
+        self.ends_needed.clear()
+        if partitions and await self._ask_ends(partitions):
+            return partitions
+        return set()
 
     def _ready(self, session_id: str, session: OpenSession, now: float) -> bool:
         assert session.end is not None
@@ -340,6 +369,10 @@ class SessionAggregator:
         except (orjson.JSONDecodeError, KeyError, TypeError):
             logger.warning("ignoring malformed control record at %s/%d", record.partition, record.offset)
             return
+        if kind == "recheck":  # the broker's ends were asked for this partition (ask_wanted_ends)
+            if self._waiting.get(record.partition):
+                await self._build_waiting(record.partition, self.clock())
+            return
         sid = session_id.encode()
         session = self._sessions().get(sid)
         if kind == "emitted":
@@ -434,6 +467,7 @@ class SessionAggregator:
         self.in_flight.clear()
         self._asked.clear()
         self._waiting.clear()
+        self.ends_wanted.clear()
         self._open = None
         self._specs.clear()
         discard_pending(self.t)

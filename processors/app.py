@@ -371,6 +371,22 @@ async def _stopping() -> None:
 
 
 @app.task
+async def ask_ends() -> None:
+    """Ask the broker where partitions end as soon as a waiting session needs it (the aggregator says
+    which, see SessionAggregator.ask_wanted_ends), and have the agent look at them again: the last
+    sessions of a burst, or of a quiet partition, are built within milliseconds, not at the next tick."""
+    while True:
+        await aggregator.ends_needed.wait()
+        if app.rebalancing or recovering[0] or not tables_recovered(app):
+            await asyncio.sleep(conf.tick_s)  # the wants stay; the assignment's reset clears them
+            continue
+        actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
+        for partition in sorted(await aggregator.ask_wanted_ends(actives)):
+            await send_control("", partition, {"kind": "recheck", "session_id": ""})
+        await asyncio.sleep(0.01)  # the wants of the next 10 ms go in one request
+
+
+@app.task
 async def start_builds() -> None:
     """Start the build processes with the worker (each imports the builders: about a second, usually
     over before the tables are recovered); a build that comes first waits for them."""

@@ -320,10 +320,39 @@ async def test_a_stale_high_watermark_does_not_build_a_session_without_its_last_
         if record is not last_call:
             await aggregator.handle(record)
     assert kafka.trajectories == []  # the high watermark says drained; no end asked since the end: wait
+    assert aggregator.ends_wanted == {1} and aggregator.ends_needed.is_set()
+    assert await aggregator.ask_wanted_ends({1}) == {1} and len(asked) == 1
+    await aggregator.handle(Rec(CONTROL, 1, 0, b'{"kind": "recheck", "session_id": ""}', b""))
+    assert kafka.trajectories == []  # the broker's end lies past the last call handled: not ready
+    assert aggregator.ends_wanted == set()  # an end was asked since: the stream's records move it on
     clock[0] += 0.5
     await aggregator.tick({1})
-    assert asked and controls == []  # the broker's end lies past the last call handled: not ready
+    assert len(asked) == 2 and controls == []  # the timer asks too, and finds it not ready either
     await aggregator.handle(last_call)
+    assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan))]
+
+
+async def test_the_last_session_of_a_quiet_partition_is_built_without_waiting_for_the_timer() -> None:
+    """Its end is the partition's last record, so no later record passes it: the broker's ends are asked
+    at once, and the "recheck" control record that follows builds it."""
+    plan = linear_session("q1", turns=2, seed=33)
+    kafka, tables = FakeKafka(), _tables()
+    records = _records(plan, kafka)
+
+    async def log_ends(partitions: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        return {(topic, p): kafka.ends.get(topic, 0) for topic, p in partitions}
+
+    outputs = kafka.outputs()
+    outputs.log_ends = log_ends
+    aggregator = SessionAggregator(tables, outputs, REGISTRY, control_topic=CONTROL, group="g", idle_s=600,
+                                   grace_s=30, settle_s=0, max_message_bytes=8 << 20)
+    for record in records:
+        await aggregator.handle(record)
+    assert kafka.trajectories == [] and aggregator.ends_wanted == {1}
+    assert await aggregator.ask_wanted_ends({0, 2}) == set()  # not ours any more: not asked
+    aggregator.ends_wanted.add(1)
+    assert await aggregator.ask_wanted_ends({1}) == {1}
+    await aggregator.handle(Rec(CONTROL, 1, 0, b'{"kind": "recheck", "session_id": ""}', b""))
     assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan))]
 
 
