@@ -433,7 +433,8 @@ async def bench(args: argparse.Namespace) -> None:
     # Calls that reached the worker after their session was built (missing from its trajectory): 0.
     print(f"worker_dead_lettered={health.get('dead_lettered')} worker_read_back={health.get('read_back')} "
           f"worker_builds={health.get('trajectories')} worker_late={health.get('late')} "
-          f"worker_calls_after_build={health.get('calls_after_build')} worker_build_failures={health.get('build_failures')}")
+          f"worker_calls_after_build={health.get('calls_after_build')} worker_build_failures={health.get('build_failures')} "
+          f"worker_ends_asked={health.get('ends_asked')}")
     print(f"end_to_trajectory_p99_ms={paced['p99_ms']:.0f}")
     # The key figure last, the two throughputs it is the ratio of beside it (same run, same machine).
     print(f"events_per_s={flood['events_per_s']:.0f} transport_only_events_per_s={ceiling:.0f} "

@@ -150,7 +150,7 @@ class SessionAggregator:
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
         self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
                          "read_back": 0, "lost": 0, "unresolved": 0, "build_failures": 0,
-                         "calls_after_build": 0}
+                         "calls_after_build": 0, "ends_asked": 0}
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -451,6 +451,7 @@ class SessionAggregator:
         if self.out.log_ends is None:
             return False
         asked_at = self.clock()  # before the request: the broker answers with its ends at or after this
+        self.counters["ends_asked"] += 1
         try:
             ends = await self.out.log_ends([(topic, p) for topic in self._others for p in sorted(partitions)])
         except TransportError as exc:  # the next tick asks again
