@@ -47,6 +47,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.workloads import TokenSource, session_completions
@@ -288,6 +289,7 @@ async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | Non
     await consumer.seek_to_end()
     end_sent: dict[str, float] = {}
     received: dict[str, float] = {}
+    values: dict[str, bytes] = {}  # each session's first trajectory, checked after the clock stops
 
     async def read() -> None:
         while len(received) < expect:
@@ -295,6 +297,7 @@ async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | Non
                 now = time.time()
                 for r in records:
                     received.setdefault(r.key.decode(), now)
+                    values.setdefault(r.key.decode(), r.value)
 
     reader = asyncio.create_task(read())
     started = time.time()
@@ -307,9 +310,16 @@ async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | Non
         await producer.stop()
         await consumer.stop()
     completions = sum(r.is_completion for r in order)
+    calls: dict[str, int] = {}
+    for r in order:
+        if r.is_completion:
+            calls[r.key.decode()] = calls.get(r.key.decode(), 0) + 1
+    # A trajectory built without some of its session's calls (a session judged read up to its end too early).
+    incomplete = sum(orjson.loads(value)["stats"]["completions"] != calls[session] for session, value in values.items())
     latencies = np.array([(received[s] - end_sent[s]) * 1000 for s in end_sent if s in received])
     last = max(received.values())
-    return {"completions": completions, "trajectories": len(received), "send_s": sent_all - started,
+    return {"completions": completions, "trajectories": len(received), "incomplete": incomplete,
+            "send_s": sent_all - started,
             "events_per_s": completions / (last - started), "p50_ms": float(np.percentile(latencies, 50)),
             "p99_ms": float(np.percentile(latencies, 99)), "max_ms": float(latencies.max())}
 
@@ -435,6 +445,8 @@ async def bench(args: argparse.Namespace) -> None:
           f"worker_builds={health.get('trajectories')} worker_late={health.get('late')} "
           f"worker_calls_after_build={health.get('calls_after_build')} worker_build_failures={health.get('build_failures')} "
           f"worker_ends_asked={health.get('ends_asked')}")
+    # Trajectories whose call count is not their session's (checked by reading each one): 0.
+    print(f"flood_incomplete_trajectories={flood['incomplete']} paced_incomplete_trajectories={paced['incomplete']}")
     print(f"end_to_trajectory_p99_ms={paced['p99_ms']:.0f}")
     # The key figure last, the two throughputs it is the ratio of beside it (same run, same machine).
     print(f"events_per_s={flood['events_per_s']:.0f} transport_only_events_per_s={ceiling:.0f} "
