@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -117,7 +118,7 @@ class SessionAggregator:
     def __init__(self, tables: Tables, outputs: Outputs, registry: TopicRegistry, *, control_topic: str,
                  group: str, idle_s: float, grace_s: float, settle_s: float, max_message_bytes: int,
                  cache_bytes: int = 512 * 1024 * 1024, clock: Callable[[], float] = time.time,
-                 builds: SessionBuilds | None = None, source: str = "processors") -> None:
+                 builds: SessionBuilds | None = None, source: str = "processors", clock_skew_s: float = 0.05) -> None:
         self.tables = tables
         # Where sessions are built (processors.session_builds): in place unless the app gives a pool.
         self.builds = builds if builds is not None else InlineBuilds()
@@ -129,17 +130,18 @@ class SessionAggregator:
         self.idle_s, self.grace_s = idle_s, grace_s
         self.max_message_bytes = max_message_bytes
         self.clock = clock
-        self.progress = InputProgress(settle_s)
+        self.progress = InputProgress(settle_s, clock_skew_s)
         self.payloads = PayloadCache(cache_bytes)  # derived: the log is the fallback
         self.in_flight: set[str] = set()  # built and sent, not yet acknowledged (derived; reset on rebalance)
         self._asked: dict[str, float] = {}  # control records recently sent, to not repeat them every tick
         # Ended sessions waiting for their partition's other inputs to be read up to the end record
         # (derived, reset on rebalance; after a restart the timer finds them in the table): session id ->
-        # (the end record's timestamp, the worker clock when it was handled).
-        self._waiting: dict[int, dict[str, tuple[float, float]]] = {}
-        # Partitions whose oldest waiting session lacks only an end asked from the broker since its end
-        # was handled (the consumer's own view says drained): the app asks at once (ask_wanted_ends)
-        # rather than at the next tick, then sends each a "recheck" control record.
+        # (the end record's timestamp, the worker clock when it was handled), in the order handled.
+        # An OrderedDict: its oldest entry is found and removed in O(1) however many were removed before.
+        self._waiting: dict[int, OrderedDict[str, tuple[float, float]]] = {}
+        # Partitions whose oldest waiting session has no end asked from the broker since its end was
+        # handled: the app asks at once (ask_wanted_ends), then sends a "recheck" control record to those
+        # that are ready.
         self.ends_wanted: set[int] = set()
         self.ends_needed = asyncio.Event()
         # The open table in memory, parsed (see _sessions), and the specs' facts as they are read.
@@ -218,7 +220,7 @@ class SessionAggregator:
             elif isinstance(event, SessionEnded):
                 end = EndFacts.of(event, record.timestamp)
                 session = session.ended(end, now)
-                self._waiting.setdefault(session.partition, {})[session_id] = (end.record_ts, now)
+                self._waiting.setdefault(session.partition, OrderedDict()).setdefault(session_id, (end.record_ts, now))
             else:
                 session = session.touched(now)
             touched[sid] = session
@@ -236,58 +238,68 @@ class SessionAggregator:
 
     async def _build_waiting(self, partition: int, now: float) -> None:
         waiting = self._waiting[partition]
-        # Oldest end first: a partition read past a later end record is read past every earlier one, so
-        # the first session not ready yet stops the scan (checking them all on every record cost O(n²)).
-        for session_id, (ts, seen_at) in sorted(waiting.items(), key=lambda item: item[1][0]):
+        # Oldest end first (the order handled): a partition read up to a later end is read up to every
+        # earlier one, by either rule, so the first session not ready yet stops the scan (checking them
+        # all on every record cost O(n²), sorting them every batch O(n log n)).
+        while waiting:
+            session_id = next(iter(waiting))
+            ts, seen_at = waiting[session_id]
             if not self._read_up_to(partition, ts, now, seen_at):
-                self._want_ends(partition, ts, now, seen_at)
+                self._want_ends(partition, seen_at)
                 break
             del waiting[session_id]
             session = self._sessions().get(session_id.encode())
             if session is not None:
                 await self._build(session_id, session, partial=False)
 
-    def _want_ends(self, partition: int, ts: float, now: float, since: float) -> None:
-        """Want the broker's ends of ``partition`` if by the consumer's high watermarks it is read up to
-        ``ts`` but some input has no end asked since ``since``: the last sessions of a burst, or of a
-        quiet partition, would otherwise wait for the next tick. Once asked, the stream's own records
-        (or the next tick) move the session on; it is not wanted again."""
+    def _want_ends(self, partition: int, since: float) -> None:
+        """Want the broker's ends of ``partition`` if one of its inputs has none asked since ``since``
+        (when the oldest waiting session's end was handled). The app asks at once, once for whatever is
+        wanted meanwhile; then the stream's next records (or a "recheck" control record, on a partition
+        with nothing more to deliver) move the session on."""
         if self.out.log_ends is None or partition in self.ends_wanted:
             return
-        if any(self.progress.log_end(topic, partition, since) is None for topic in self._others) and \
-                self.progress.read_up_to(self._others, partition, ts, now, self.out.highwater):
+        if any(self.progress.log_end(topic, partition, since) is None for topic in self._others):
             self.ends_wanted.add(partition)
             self.ends_needed.set()
 
     async def ask_wanted_ends(self, active_partitions: set[int]) -> set[int]:
-        """Ask the broker where the wanted partitions (of ``active_partitions``) end; returns those asked,
-        to each of which the app sends a "recheck" control record (their waiting sessions are looked at
-        again, by the agent)."""
+        """Ask the broker where the wanted partitions (of ``active_partitions``) end; returns those whose
+        oldest waiting session is ready now, to each of which the app sends a "recheck" control record
+        (the agent builds what is ready there; a partition still reading gets there by its own records)."""
         partitions, self.ends_wanted = self.ends_wanted & active_partitions, set()
         self.ends_needed.clear()
-        if partitions and await self._ask_ends(partitions):
-            return partitions
-        return set()
+        if not partitions or not await self._ask_ends(partitions):
+            return set()
+        now = self.clock()
+        ready = set()
+        for partition in partitions:
+            oldest = next(iter(self._waiting.get(partition, OrderedDict()).values()), None)
+            if oldest is not None and self._read_up_to(partition, oldest[0], now, oldest[1]):
+                ready.add(partition)
+        return ready
 
     def _ready(self, session_id: str, session: OpenSession, now: float) -> bool:
         assert session.end is not None
         # An end handled before this assignment (absent here) was on the broker before any end asked since.
-        seen_at = self._waiting.get(session.partition, {}).get(session_id, (0.0, 0.0))[1]
+        waiting = self._waiting.get(session.partition)
+        seen_at = waiting[session_id][1] if waiting is not None and session_id in waiting else 0.0
         return self._read_up_to(session.partition, session.end.record_ts, now, seen_at)
 
     def _end_of(self, since: float) -> Callable[[str, int], int | None]:
-        """Where each input partition ends, as known since ``since`` (see Outputs.log_ends)."""
+        """Where each input partition ends, as asked since ``since`` (see Outputs.log_ends)."""
         if self.out.log_ends is None:
             return self.out.highwater
         return lambda topic, partition: self.progress.log_end(topic, partition, since)
 
     def _read_up_to(self, partition: int, ts: float, now: float, since: float) -> bool:
-        """Whether the other inputs' ``partition`` is read up to ``ts`` (processors.progress), and, for an
-        input with nothing processed since the assignment, that nothing is waiting there: its records
-        from the committed offset on are still to come (after a rebalance the small session events are
-        read far ahead of the completions; seen: a session built from its first call only, its later
-        calls read after the build). An end offset counts only if asked after ``since``, when the
-        session's end was handled."""
+        """Whether the other inputs' ``partition`` is handled past a record stamped ``ts`` (the end's), or
+        up to where it ended when the broker was asked after ``since``, when the session's end was
+        handled (processors.progress), and, for an input
+        with nothing processed since the assignment, that nothing is waiting there: its records from the
+        committed offset on are still to come (after a rebalance the small session events are read far
+        ahead of the completions; seen: a session built from its first call only, its later calls read
+        after the build)."""
         end_of = self._end_of(since)
         if self.out.read_from is not None:
             for topic in self._others:

@@ -155,7 +155,7 @@ aggregator = SessionAggregator(
     registry,
     control_topic=control_topic(kafka, conf.app_id), group=app.conf.id, idle_s=conf.idle_s,
     grace_s=conf.grace_s, settle_s=conf.settle_s, max_message_bytes=kafka.max_message_bytes,
-    cache_bytes=conf.cache_mb * 1024 * 1024, builds=builds, source=SOURCE)
+    cache_bytes=conf.cache_mb * 1024 * 1024, builds=builds, source=SOURCE, clock_skew_s=conf.clock_skew_s)
 
 
 # Records handled whose effect on the tables is still only in memory: acknowledged after the next flush.

@@ -51,7 +51,7 @@ class EndFacts:
     failure: str | None
     task_id: str | None
     occurred_at: str
-    record_ts: float  # the end record's Kafka timestamp: inputs older than it must be read first
+    record_ts: float  # the end record's Kafka timestamp (the producer's clock: readiness does not use it)
 
     @classmethod
     def of(cls, event: SessionEnded, record_ts: float) -> EndFacts:

@@ -44,6 +44,10 @@ class ProcessorSettings(BaseSettings):
     worker's own event loop, between records.
     ``TICK_S`` (0.5): how often the deadline timer looks at open sessions.
     ``SETTLE_S`` (1.0): how long after a (re)start a partition that delivered nothing counts as caught up.
+    ``CLOCK_SKEW_S`` (0.05): how far the clocks of the machines that write a session's records (proxies,
+    gateways) may disagree. A session counts as read up to its end once a record stamped more than this
+    after the end was handled on each other input, or once everything up to an end asked from the broker
+    after the end was handled is (processors.progress).
     ``SESSION_TIMEOUT_S`` (30): consumer group session timeout; a worker that died without leaving the
     group holds its partitions this long before a restarted or other worker gets them.
     ``HOST``/``PORT`` (127.0.0.1:18081): the worker's ``/health`` endpoint.
@@ -65,6 +69,7 @@ class ProcessorSettings(BaseSettings):
     transport_only: bool = False
     tick_s: float = Field(default=0.5, gt=0)
     settle_s: float = Field(default=1.0, ge=0)
+    clock_skew_s: float = Field(default=0.05, ge=0)
     session_timeout_s: float = Field(default=30.0, ge=6)
     host: str = "127.0.0.1"
     port: int = 18081

@@ -177,32 +177,53 @@ def test_call_ref_round_trip() -> None:
 
 
 async def test_ended_sessions_wait_for_their_partition_in_end_order() -> None:
-    """An ended session is built once its partition is read past its end record (checked oldest first)."""
+    """An ended session is built once its partition is handled up to where the broker said it ended
+    after the end was handled (oldest end first); another session's records stamped after the end, but
+    by less than the clocks may disagree, do not count."""
     plans = [linear_session(f"w{i}", turns=2, seed=10 + i) for i in range(2)]
     kafka, tables = FakeKafka(), _tables()
-    aggregator = _aggregator(tables, kafka)
-    streams = [_records(plan, FakeKafka()) for plan in plans]
-    ends = [r[-1] for r in streams]
     completions = REGISTRY.name(Topic.COMPLETIONS)
-    kafka.ends[completions] = 10**6  # far from drained: only watermarks can make a session ready
-    for stream in streams:
-        for record in stream[:-1]:
-            record.timestamp = 0.0
-            if record.topic == completions:
-                record.offset += 100 * int(record.key == b"w1")
-                kafka.log[1, record.offset] = record.value  # type: ignore[index]
-            await aggregator.handle(record)
-    ends[0].timestamp, ends[1].timestamp = 5.0, 9.0
-    for end in ends:
-        await aggregator.handle(end)
-    assert kafka.trajectories == []  # completions not read past either end yet
+    broker: dict[str, int] = {}
+
+    async def log_ends(partitions: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        return {(topic, p): broker.get(topic, 0) for topic, p in partitions}
+
+    outputs = kafka.outputs()
+    outputs.log_ends = log_ends
+    clock = [100.0]
+    aggregator = SessionAggregator(tables, outputs, REGISTRY, control_topic=CONTROL, group="g", idle_s=600,
+                                   grace_s=30, settle_s=0, max_message_bytes=8 << 20, clock=lambda: clock[0])
+    streams = [_records(plan, FakeKafka()) for plan in plans]
+    # The completions partition: w0's first call @0, w1's @1, another session's calls @2-3, then the last
+    # calls of w0 @4 and w1 @5. The ends are handled when only @0-1 are.
+    firsts, lasts = [stream[1] for stream in streams], [stream[2] for stream in streams]
+    for offset, record in enumerate([*firsts, None, None, *lasts]):
+        if record is not None:
+            assert record.topic == completions
+            record.offset = offset
+            kafka.log[1, offset] = record.value  # type: ignore[index]
+    for i, stream in enumerate(streams):
+        stream[0].offset = i  # the specs
+        await aggregator.handle(stream[0])
+    for record in firsts:
+        await aggregator.handle(record)
+    broker.update({completions: 6, REGISTRY.name(Topic.SESSIONS): 2})
+    for i, stream in enumerate(streams):
+        clock[0] += 1.0
+        stream[-1].offset = i  # the ends, on the session events topic
+        await aggregator.handle(stream[-1])
+    assert kafka.trajectories == [] and aggregator.ends_wanted == {1}
+    assert await aggregator.ask_wanted_ends({1}) == set()  # the broker's end is past both last calls
     other = linear_session("w2", turns=2, seed=12, ended=False).completions
-    for offset, (call, ts) in enumerate(zip(other, (6.0, 9.5)), start=500):
-        value = encode_event(call)
-        kafka.log[1, offset] = value
-        await aggregator.handle(Rec(completions, 1, offset, value, b"w2", timestamp=ts))
-        assert [t.session_id for t in kafka.trajectories] == ["w0", "w1"][:offset - 499]
+    for offset, call in enumerate(other, start=2):  # stamped later, but within the clock skew: no help
+        kafka.log[1, offset] = encode_event(call)
+        await aggregator.handle(Rec(completions, 1, offset, kafka.log[1, offset], b"w2", timestamp=3.04))
+        assert kafka.trajectories == []
+    await aggregator.handle(lasts[0])
+    assert kafka.trajectories == []  # w0's call is in, but the end asked after w0's end is past w1's call
+    await aggregator.handle(lasts[1])
     assert [t.session_id for t in kafka.trajectories] == ["w0", "w1"]
+    assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan)) for plan in plans]
 
 
 async def test_open_sessions_are_read_from_the_table_once_per_assignment() -> None:
@@ -258,32 +279,45 @@ def test_a_partition_ending_in_transaction_markers_counts_as_drained_once_they_a
     progress.saw("c", 0, 41, timestamp=5.0)
     highwater = {("c", 0): 43}
     ends = lambda topic, partition: highwater[topic, partition]  # noqa: E731
-    assert not progress.read_up_to(["c"], 0, ts=9.0, now=500.0, highwater=ends)
+    assert not progress.read_up_to(["c"], 0, ts=9.0, now=500.0, end_of=ends)
     progress.accounted("c", 0, 42)
-    assert progress.read_up_to(["c"], 0, ts=9.0, now=500.0, highwater=ends)
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=500.0, end_of=ends)
     progress.accounted("c", 0, 30)  # an older read-back moves nothing back
-    assert progress.read_up_to(["c"], 0, ts=9.0, now=500.0, highwater=ends)
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=500.0, end_of=ends)
 
 
-def test_a_record_of_the_same_millisecond_as_the_end_is_not_past_it() -> None:
-    """Record timestamps have millisecond resolution: another session's call stamped in the same
-    millisecond as an end may sit before this session's own last call of that millisecond. Only a later
-    timestamp (or the partition drained) says everything up to the end is in."""
-    progress = InputProgress(settle_s=1.0)
-    highwater = {("c", 0): 100}
-    ends = lambda topic, partition: highwater[topic, partition]  # noqa: E731
+def test_a_record_stamped_later_than_the_end_by_more_than_the_clock_skew_is_past_it() -> None:
+    """Record timestamps come from the producers' clocks: a record stamped after the end, by less than
+    the clocks may disagree (or in the same millisecond), may have been written before the session's
+    last call. Past the margin it was written after the end, so after the session's calls."""
+    progress = InputProgress(settle_s=1.0, clock_skew_s=0.5)
+    nothing = lambda topic, partition: None  # noqa: E731  (no end asked)
     progress.saw("c", 0, 10, timestamp=9.0)
-    assert not progress.read_up_to(["c"], 0, ts=9.0, now=100.0, highwater=ends)
-    progress.saw("c", 0, 11, timestamp=9.001)
-    assert progress.read_up_to(["c"], 0, ts=9.0, now=100.0, highwater=ends)
+    assert not progress.read_up_to(["c"], 0, ts=9.0, now=100.0, end_of=nothing)
+    progress.saw("c", 0, 11, timestamp=9.5)
+    assert not progress.read_up_to(["c"], 0, ts=9.0, now=100.0, end_of=nothing)
+    progress.saw("c", 0, 12, timestamp=9.501)
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=100.0, end_of=nothing)
+    assert not progress.read_up_to(["c", "d"], 0, ts=9.0, now=100.0, end_of=nothing)  # every input
 
 
-def test_an_end_offset_counts_only_if_asked_after_the_end_was_handled() -> None:
+def test_a_session_uses_the_first_end_asked_after_its_end_was_handled() -> None:
+    """An end asked before the session's end was handled may not hold its last call; the newest end
+    asked would keep a worker that is behind its producers waiting for ever. The first one asked since
+    counts."""
     progress = InputProgress(settle_s=1.0)
     progress.asked_ends({("c", 0): 12}, asked_at=5.0)
     assert progress.log_end("c", 0, since=6.0) is None  # asked before: may not hold what came before the end
     assert progress.log_end("c", 0, since=5.0) == 12
+    progress.asked_ends({("c", 0): 40}, asked_at=7.0)
+    progress.asked_ends({("c", 0): 90}, asked_at=9.0)
+    progress.asked_ends({("c", 0): 60}, asked_at=8.0)  # answered after a later request: not kept
+    assert [progress.log_end("c", 0, since=t) for t in (1.0, 5.0, 5.5, 7.0, 8.5, 9.0, 9.5)] == \
+        [12, 12, 40, 40, 90, 90, None]
     assert progress.log_end("c", 1, since=0.0) is None  # never asked
+    progress.saw("c", 0, 39, timestamp=1.0)
+    assert progress.read_up_to(["c"], 0, ts=9.0, now=0.0, end_of=lambda t, p: progress.log_end(t, p, 6.0))
+    assert not progress.read_up_to(["c"], 0, ts=9.0, now=0.0, end_of=lambda t, p: progress.log_end(t, p, 8.0))
     progress.reset()
     assert progress.log_end("c", 0, since=0.0) is None
 
@@ -321,7 +355,7 @@ async def test_a_stale_high_watermark_does_not_build_a_session_without_its_last_
             await aggregator.handle(record)
     assert kafka.trajectories == []  # the high watermark says drained; no end asked since the end: wait
     assert aggregator.ends_wanted == {1} and aggregator.ends_needed.is_set()
-    assert await aggregator.ask_wanted_ends({1}) == {1} and len(asked) == 1
+    assert await aggregator.ask_wanted_ends({1}) == set() and len(asked) == 1  # asked; not ready: no recheck
     await aggregator.handle(Rec(CONTROL, 1, 0, b'{"kind": "recheck", "session_id": ""}', b""))
     assert kafka.trajectories == []  # the broker's end lies past the last call handled: not ready
     assert aggregator.ends_wanted == set()  # an end was asked since: the stream's records move it on
