@@ -381,8 +381,12 @@ async def ask_ends() -> None:
             await asyncio.sleep(conf.tick_s)  # the wants stay; the assignment's reset clears them
             continue
         actives = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == control.get_topic_name()}
-        for partition in sorted(await aggregator.ask_wanted_ends(actives)):
-            await send_control("", partition, {"kind": "recheck", "session_id": ""})
+        try:
+            for partition in sorted(await aggregator.ask_wanted_ends(actives)):
+                await send_control("", partition, {"kind": "recheck", "session_id": ""})
+        except Exception:  # never let this task die: the timer's tick asks too, but only every TICK_S
+            logger.exception("asking where partitions end failed; asked again at the next want or tick")
+            await asyncio.sleep(conf.tick_s)
         await asyncio.sleep(0.01)  # the wants of the next 10 ms go in one request
 
 
