@@ -353,7 +353,8 @@ def engine_status(config: EngineConfig | None = None) -> dict[str, object]:
             report.update({"server_version": info.get("ServerVersion"), "data_root": info.get("DockerRootDir"),
                            "containers": info.get("Containers"), "containers_running": info.get("ContainersRunning"),
                            "images": info.get("Images"),
-                           "session_containers": len(client.containers.list(all=True, filters={"label": SESSION_LABEL}))})
+                           "session_containers": len(client.containers.list(all=True, ignore_removed=True,
+                                                                            filters={"label": SESSION_LABEL}))})
         finally:
             client.close()
     return report
@@ -387,7 +388,7 @@ def reap_containers(url: str | None = None, older_than_s: float = 0.0, include_r
     client = client_for(url or ensure_engine())
     removed: list[ReapedContainer] = []
     try:
-        for container in client.containers.list(all=True, filters={"label": list(labels)}):
+        for container in client.containers.list(all=True, ignore_removed=True, filters={"label": list(labels)}):
             age = time.time() - _created_at(container.attrs.get("Created", ""))
             if age < older_than_s or (container.status == "running" and not include_running):
                 continue

@@ -62,7 +62,8 @@ def reap_orphans(client: Any, *, host: str | None = None) -> list[str]:
     """Remove this host's session containers whose creator is gone; their names (or ids), as removed."""
     host = host or socket.gethostname()
     removed: list[str] = []
-    containers = client.containers.list(all=True, filters={"label": [SESSION_LABEL, f"{HOST_LABEL}={host}"]})
+    containers = client.containers.list(all=True, ignore_removed=True,
+                                        filters={"label": [SESSION_LABEL, f"{HOST_LABEL}={host}"]})
     for container in containers:
         labels = dict(container.labels or {})
         if labels.get(HOST_LABEL) != host or creator_alive(labels) is not False:

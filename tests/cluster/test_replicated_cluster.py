@@ -22,15 +22,22 @@ from schemas.transport import EventConsumer, EventProducer, KafkaAdmin, KafkaSet
 pytestmark = pytest.mark.kafka
 
 
-async def _topic_configs(bootstrap: str, name: str) -> dict[str, str]:
+async def _topic_configs(bootstrap: str, name: str, timeout_s: float = 30.0) -> dict[str, str]:
+    """The topic's configs, as the broker asked answers them. A node whose metadata has not yet caught up
+    with the topic's creation answers an error (unknown topic) and no entries; ask again until one knows."""
+    deadline = time.monotonic() + timeout_s
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        (response,) = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name)])
+        while True:
+            (response,) = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name)])
+            ((error_code, error_message, _type, _name, entries),) = response.resources
+            if error_code == 0:
+                return {entry[0]: entry[1] for entry in entries}
+            assert time.monotonic() < deadline, f"describe_configs({name}): error {error_code} {error_message}"
+            await asyncio.sleep(0.2)
     finally:
         await admin.close()
-    (resource,) = response.resources
-    return {entry[0]: entry[1] for entry in resource[4]}
 
 
 async def _leading_most(admin: KafkaAdmin, topic: str) -> int:

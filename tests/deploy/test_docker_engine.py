@@ -120,9 +120,9 @@ def test_reap_removes_labelled_containers_by_age(monkeypatch: pytest.MonkeyPatch
         assert reap_containers(url, older_than_s=3600, labels=labels) == []
         removed = reap_containers(url, labels=labels)
         assert [(r.name, r.session_id) for r in removed] == [(container.name, "s-reap")]
-        assert client.containers.list(all=True, filters={"label": marker}) == []
+        assert client.containers.list(all=True, ignore_removed=True, filters={"label": marker}) == []
     finally:
-        for leftover in client.containers.list(all=True, filters={"label": marker}):
+        for leftover in client.containers.list(all=True, ignore_removed=True, filters={"label": marker}):
             leftover.remove(force=True)
         client.images.remove(empty, force=True)
         client.close()

@@ -60,7 +60,8 @@ def _containers(session_id: str) -> list[Any]:
 
     client = docker.from_env()
     try:
-        return list(client.containers.list(all=True, filters={"label": f"rollwire.session={session_id}"}))
+        return list(client.containers.list(all=True, ignore_removed=True,
+                                           filters={"label": f"rollwire.session={session_id}"}))
     finally:
         client.close()
 

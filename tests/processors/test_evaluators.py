@@ -230,7 +230,8 @@ async def test_a_repo_less_docker_task_is_scored_in_its_image(docker_images: lis
         spec = SessionSpec(session_id=session_id, task_id=request.task_id, runtime=request.runtime,
                            evaluator=EvaluatorSpec(name="tests", settings=settings))
         results[name] = await evaluator.evaluate(ended(session_id, patch), spec)
-        left = client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}=eval-{session_id}"})
+        left = client.containers.list(all=True, ignore_removed=True,
+                                      filters={"label": f"{SESSION_LABEL}=eval-{session_id}"})
         assert left == [], f"containers left behind: {[c.name for c in left]}"
     gold, nothing, stale = results["gold"], results["nothing"], results["stale"]
     assert gold.status == "ok" and gold.reward == 1.0 and gold.passed, gold.details

@@ -84,7 +84,8 @@ async def grade(evaluator: SwebenchEvaluator, client: Any, instance: SwebenchIns
     evaluation = await evaluator.evaluate(ended, spec)
     assert evaluation.session_id == session_id and evaluation.evaluator == "swebench"
     assert evaluation.evaluator_version == "1"
-    left = client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}=swebench-eval-{session_id}"})
+    left = client.containers.list(all=True, ignore_removed=True,
+                                  filters={"label": f"{SESSION_LABEL}=swebench-eval-{session_id}"})
     assert left == [], f"containers left behind: {[c.name for c in left]}"
     if evaluator.scratch.exists():
         assert list(evaluator.scratch.iterdir()) == [], "the grading's scratch folder is left behind"
@@ -270,7 +271,7 @@ async def test_a_cancelled_grading_leaves_no_container(images: dict[str, Swebenc
     label = {"label": f"{SESSION_LABEL}=swebench-eval-{session_id}"}
     grading = asyncio.ensure_future(evaluator.evaluate(ended, spec))
     deadline = time.monotonic() + 60
-    while not any("sleep 60" in " ".join(p) for c in client.containers.list(filters=label)
+    while not any("sleep 60" in " ".join(p) for c in client.containers.list(ignore_removed=True, filters=label)
                   for p in c.top().get("Processes") or []):
         assert time.monotonic() < deadline and not grading.done(), "the tests never started"
         await asyncio.sleep(0.2)
@@ -279,6 +280,6 @@ async def test_a_cancelled_grading_leaves_no_container(images: dict[str, Swebenc
         await grading
     await asyncio.sleep(0)  # the shielded teardown may finish just after the cancellation
     deadline = time.monotonic() + 10
-    while client.containers.list(all=True, filters=label):
+    while client.containers.list(all=True, ignore_removed=True, filters=label):
         assert time.monotonic() < deadline, "the cancelled grading's container is left"
         await asyncio.sleep(0.2)

@@ -65,7 +65,8 @@ def docker_spec(timeout_s: float = 600) -> SessionSpec:
 
 
 def containers_of(client: Any, session_id: str) -> list[Any]:
-    return list(client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}={session_id}"}))
+    return list(client.containers.list(all=True, ignore_removed=True,
+                                       filters={"label": f"{SESSION_LABEL}={session_id}"}))
 
 
 async def harness_container(client: Any, session_id: str, timeout_s: float = 90) -> Any:

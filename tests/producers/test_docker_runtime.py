@@ -117,14 +117,15 @@ def testbed_image(client: Any, base_image: str) -> str:
 async def runtime(tmp_path: Path, client: Any) -> AsyncIterator[DockerRuntime]:
     runtime = DockerRuntime(tmp_path / "sessions", kill_grace_s=0.5, mount_harness_cache=False, node="node-t")
     yield runtime
-    leftover = [c.name for c in client.containers.list(all=True, filters={"label": "rollwire.node=node-t"})]
+    leftover = [c.name for c in client.containers.list(all=True, ignore_removed=True,
+                                                       filters={"label": "rollwire.node=node-t"})]
     for name in leftover:
         client.containers.get(name).remove(force=True)
     assert leftover == [], "a test left containers behind"
 
 
 def session_containers(client: Any, session_id: str) -> list[Any]:
-    return client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}={session_id}"})
+    return client.containers.list(all=True, ignore_removed=True, filters={"label": f"{SESSION_LABEL}={session_id}"})
 
 
 FORKS = """
