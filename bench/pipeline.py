@@ -17,10 +17,12 @@ the same flood through a worker that only counts and acknowledges records
 and Faust's consumer allow on this machine with none of the work done.
 
     python -m bench.pipeline [--sessions N] [--turns T] [--tokens K] [--rate R] [--workers W] [--inline-builds-too]
+        [--asyncio-loop-too]
 
 The worker builds sessions in its build processes (``ROLLWIRE_PROCESSORS_BUILD_PROCESSES``, default 1;
 their CPU is counted in ``worker_cpu_us_per_completion``, and printed apart); ``--inline-builds-too``
-also floods workers that build on their own event loop, in the same run, for comparison.
+also floods workers that build on their own event loop, in the same run, for comparison;
+``--asyncio-loop-too`` workers on asyncio's own event loop instead of uvloop (``ROLLWIRE_PROCESSORS_EVENT_LOOP``).
 
 ``ROLLWIRE_BENCH_PYSPY=FILE`` samples the worker with py-spy during the flood (collapsed stacks);
 ``ROLLWIRE_BENCH_PROFILE=FILE`` profiles it with cProfile instead (see bench/profiled.py).
@@ -366,20 +368,22 @@ async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float, lis
         await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
 
 
-async def inline_flood(args: argparse.Namespace) -> tuple[float, float]:
-    """The flood through workers that build sessions on their event loop (no build processes:
-    ``ROLLWIRE_PROCESSORS_BUILD_PROCESSES=0``): completions/s and the worker's CPU per completion."""
+async def variant_flood(args: argparse.Namespace, env: dict[str, str], port_offset: int,
+                        seed: int) -> tuple[float, float, float]:
+    """The flood through workers that differ from the measured ones by ``env`` (say, no build
+    processes, or asyncio's own event loop): completions/s, the worker's CPU per completion and that of
+    its event loop's process alone."""
     kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
     await prepare_topics(kafka, "processors")
     home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
-    workers = Workers(kafka, "processors", home, args.port + 70, args.workers,
-                      {"ROLLWIRE_PROCESSORS_BUILD_PROCESSES": "0"})
+    workers = Workers(kafka, "processors", home, args.port + port_offset, args.workers, env)
     try:
-        sessions = make_sessions(kafka, "inline", args.sessions, args.turns, args.tokens, seed=4)
+        sessions = make_sessions(kafka, f"variant{seed}", args.sessions, args.turns, args.tokens, seed=seed)
         workers.wait_healthy()
-        cpu0 = workers.cpu_s()
+        cpu0, main0 = workers.cpu_s(), workers.main_cpu_s()
         flood = await run_phase(kafka, interleave(sessions, args.concurrent), None, len(sessions), timeout_s=600)
-        return flood["events_per_s"], (workers.cpu_s() - cpu0) / flood["completions"]
+        return (flood["events_per_s"], (workers.cpu_s() - cpu0) / flood["completions"],
+                (workers.main_cpu_s() - main0) / flood["completions"])
     finally:
         workers.stop()
         shutil.rmtree(home, ignore_errors=True)
@@ -388,7 +392,10 @@ async def inline_flood(args: argparse.Namespace) -> tuple[float, float]:
 
 async def bench(args: argparse.Namespace) -> None:
     ceiling, ceiling_cpu_s, ceiling_rounds = await transport_ceiling(args)
-    inline = await inline_flood(args) if args.inline_builds_too else None
+    inline = await variant_flood(args, {"ROLLWIRE_PROCESSORS_BUILD_PROCESSES": "0"}, 70, 4) \
+        if args.inline_builds_too else None
+    stdlib_loop = await variant_flood(args, {"ROLLWIRE_PROCESSORS_EVENT_LOOP": "asyncio"}, 90, 5) \
+        if args.asyncio_loop_too else None
     kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
     await prepare_topics(kafka, "processors")
     home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
@@ -421,7 +428,8 @@ async def bench(args: argparse.Namespace) -> None:
         shutil.rmtree(home, ignore_errors=True)
         await delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix)
     print(f"sessions={args.sessions} turns={args.turns} concurrent_sessions={args.concurrent} workers={args.workers} "
-          f"build_processes={os.environ.get('ROLLWIRE_PROCESSORS_BUILD_PROCESSES', '1')}")
+          f"build_processes={os.environ.get('ROLLWIRE_PROCESSORS_BUILD_PROCESSES', '1')} "
+          f"event_loop={os.environ.get('ROLLWIRE_PROCESSORS_EVENT_LOOP', 'uvloop')}")
     print(f"flood_completions={flood['completions']} flood_trajectories={flood['trajectories']}")
     print(f"flood_send_s={flood['send_s']:.1f}")
     # CPU per completion is what this machine's load (other processes) does not distort much.
@@ -434,6 +442,10 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"transport_only_rounds_events_per_s={','.join(f'{rate:.0f}' for rate in ceiling_rounds)}")
     if inline is not None:
         print(f"inline_builds_events_per_s={inline[0]:.0f} inline_builds_worker_cpu_us_per_completion={inline[1] * 1e6:.0f}")
+    if stdlib_loop is not None:
+        print(f"asyncio_loop_events_per_s={stdlib_loop[0]:.0f} "
+              f"asyncio_loop_worker_cpu_us_per_completion={stdlib_loop[1] * 1e6:.0f} "
+              f"asyncio_loop_worker_main_cpu_us_per_completion={stdlib_loop[2] * 1e6:.0f}")
     print(f"flood_end_to_trajectory_p99_ms={flood['p99_ms']:.0f}")
     print(f"paced_rate_completions_per_s={rate:.0f}")
     print(f"paced_events_per_s={paced['events_per_s']:.0f}")
@@ -466,6 +478,8 @@ def main() -> None:
                         help="transport-only floods; the best is the ceiling the ratio is taken to")
     parser.add_argument("--inline-builds-too", action="store_true",
                         help="also flood workers that build on their event loop (no build processes), side by side")
+    parser.add_argument("--asyncio-loop-too", action="store_true",
+                        help="also flood workers on asyncio's own event loop (not uvloop), side by side")
     asyncio.run(bench(parser.parse_args()))
 
 

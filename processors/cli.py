@@ -22,7 +22,7 @@ def run() -> None:
     conf, kafka = ProcessorSettings(), KafkaSettings()
     asyncio.run(prepare_topics(kafka, conf.app_id))
     run_worker("processors.app", kafka=kafka, data_dir=conf.data_dir, data_dir_var="ROLLWIRE_PROCESSORS_DATA_DIR",
-               log_level=conf.log_level)
+               log_level=conf.log_level, event_loop=conf.event_loop)
 
 
 def rebuild(builder: str = typer.Option(..., "--builder", help="per_request or prefix_merging."),

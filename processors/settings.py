@@ -52,6 +52,8 @@ class ProcessorSettings(BaseSettings):
     group holds its partitions this long before a restarted or other worker gets them.
     ``HOST``/``PORT`` (127.0.0.1:18081): the worker's ``/health`` endpoint.
     ``LOG_LEVEL`` (``info``).
+    ``EVENT_LOOP`` (``uvloop``): the worker's event loop, ``uvloop`` or ``asyncio`` (the standard library's;
+    see processors.faust_worker.run_worker).
     """
 
     model_config = SettingsConfigDict(env_prefix="ROLLWIRE_PROCESSORS_", extra="ignore")
@@ -74,3 +76,4 @@ class ProcessorSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 18081
     log_level: str = "info"
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"

@@ -41,4 +41,4 @@ def run() -> None:
     conf, kafka = GroupSettings(), KafkaSettings()
     asyncio.run(prepare_topics(kafka, conf.app_id))
     run_worker("processors.groups.app", kafka=kafka, data_dir=conf.data_dir, data_dir_var="ROLLWIRE_GROUPS_DATA_DIR",
-               log_level=conf.log_level)
+               log_level=conf.log_level, event_loop=conf.event_loop)

@@ -30,7 +30,8 @@ class GroupSettings(BaseSettings):
     fraction of its samples is in; otherwise the worker keeps waiting, and drops the task ``ABANDON_S``
     (3600) after the deadline. ``TICK_S`` (1.0): how often the deadline timer looks at open tasks.
     ``SESSION_TIMEOUT_S`` (30): consumer group session timeout. ``HOST``/``PORT`` (127.0.0.1:18082):
-    the worker's ``/health`` endpoint. ``LOG_LEVEL`` (``info``).
+    the worker's ``/health`` endpoint. ``LOG_LEVEL`` (``info``). ``EVENT_LOOP`` (``uvloop``): the worker's event
+    loop, ``uvloop`` or ``asyncio`` (see processors.faust_worker.run_worker).
     """
 
     model_config = SettingsConfigDict(env_prefix="ROLLWIRE_GROUPS_", extra="ignore")
@@ -49,3 +50,4 @@ class GroupSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 18082
     log_level: str = "info"
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
