@@ -34,9 +34,12 @@ class ProcessorSettings(BaseSettings):
     ``COMPRESSION`` (``snappy``): the worker's producer (trajectories, changelogs, control records):
     ``snappy``, ``zstd``, ``gzip``, ``lz4`` or ``none``. snappy costs about a sixth of zstd's CPU on a
     trajectory (0.2 vs 1.4 ms for 49 kB, for 1.5x the bytes); on a CPU-bound worker that matters more.
-    ``BATCH_RECORDS`` (1000) / ``BATCH_MS`` (200): table writes are held in memory and flushed every this
+    ``BATCH_RECORDS`` (1000) / ``BATCH_MS`` (1000): table writes are held in memory and flushed every this
     many records or milliseconds, whichever comes first (records are acknowledged only after the flush
-    that covers them); a session's records between two flushes cost one table write.
+    that covers them, so at most this much is read again after a crash); a session's records between two
+    flushes cost one table write (a RocksDB put and a changelog record). At 200 ms a session of a flood
+    was written in two or three flushes; the worker's loop spent about 10% more CPU per completion
+    (bench.pipeline). Faust commits offsets once a second (``broker_commit_interval``) in any case.
     ``TRANSPORT_ONLY`` (false): benchmarks only: count and acknowledge records without handling them,
     to measure what the Faust transport alone costs on the same machine (``bench.pipeline`` does).
     ``BUILD_PROCESSES`` (1): processes that build sessions (validate their records, resolve prompt deltas,
@@ -66,7 +69,7 @@ class ProcessorSettings(BaseSettings):
     cache_mb: int = Field(default=512, ge=0)
     compression: Literal["snappy", "zstd", "gzip", "lz4", "none"] = "snappy"
     batch_records: int = Field(default=1000, ge=1)
-    batch_ms: float = Field(default=200.0, gt=0)
+    batch_ms: float = Field(default=1000.0, gt=0)
     build_processes: int = Field(default=1, ge=0, le=64)
     transport_only: bool = False
     tick_s: float = Field(default=0.5, gt=0)
