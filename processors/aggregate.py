@@ -10,9 +10,9 @@ end, and the log offsets of its completions; the bytes are kept in a
 (once every input partition has been read up to that record) or at
 its deadline (a timer asks through the control topic) the session is built (processors.session_builds:
 validated, deltas resolved, the spec's builder run, in a process pool when the app has one) and the
-Trajectory is sent → when the broker has acknowledged it, a control record ``emitted`` deletes the
-session's entries and remembers its id in ``built`` (late or replayed records of a built session are
-dropped). Nothing is deleted before the trajectory is on the broker, so a crash at any point leads to
+Trajectory is sent → when the broker has acknowledged it, the agent (before its next record: the tables
+have one writer) deletes the session's entries and remembers its id in ``built`` (late or replayed
+records of a built session are dropped). Nothing is deleted before the trajectory is on the broker, so a crash at any point leads to
 a rebuild from the same inputs, i.e. the same trajectory event id, which readers de-duplicate.
 """
 
@@ -92,7 +92,7 @@ class Outputs:
     """How the aggregator talks to Kafka; the app supplies these."""
 
     # Send a trajectory to the session's partition without waiting for the acknowledgement; once the
-    # broker has it, send the control record emitted_record() (on failure call on_send_failed()).
+    # broker has it, call trajectory_recorded() (on failure, on_send_failed()).
     send_trajectory: Callable[[TrajectoryRecord, int], Awaitable[None]]
     send_dead_letter: Callable[[DeadLetter], Awaitable[None]]
     # Send a control record {kind, session_id, ...} to the session's partition of the control topic.
@@ -134,6 +134,10 @@ class SessionAggregator:
         self.payloads = PayloadCache(cache_bytes)  # derived: the log is the fallback
         self.in_flight: set[str] = set()  # built and sent, not yet acknowledged (derived; reset on rebalance)
         self._asked: dict[str, float] = {}  # control records recently sent, to not repeat them every tick
+        # Trajectories the broker has acknowledged, (session id, partition, event id), not yet forgotten
+        # by the agent (which does so before its next record; see trajectory_recorded).
+        self._recorded: list[tuple[str, int, str]] = []
+        self._handling = False  # the agent is in handle_batch (maybe awaiting a send): the timer waits
         # Ended sessions waiting for their partition's other inputs to be read up to the end record
         # (derived, reset on rebalance; after a restart the timer finds them in the table): session id ->
         # (the end record's timestamp, the worker clock when it was handled), in the order handled.
@@ -174,6 +178,15 @@ class SessionAggregator:
         worker's largest cost). Sessions whose end is in and whose inputs are read up to it are built
         after the batch. A control record is applied in its place, after the state before it is written.
         """
+        self._handling = True
+        try:
+            if self._recorded:
+                self._forget_recorded()
+            await self._handle_batch(records)
+        finally:
+            self._handling = False
+
+    async def _handle_batch(self, records: Sequence[Record]) -> None:
         touched: dict[bytes, OpenSession] = {}
         partitions: set[int] = set()
         for record in records:
@@ -387,14 +400,8 @@ class SessionAggregator:
             return
         sid = session_id.encode()
         session = self._sessions().get(sid)
-        if kind == "emitted":
-            self.in_flight.discard(session_id)
-            self.t.built.put(sid, str(doc.get("event_id", "")).encode(), record.partition)
-            if session is not None:
-                self.t.open.delete(sid, record.partition)
-                self._del_open(sid)
-            self.t.specs.delete(sid, record.partition)
-            self._specs.pop(sid, None)
+        if kind == "emitted":  # what workers before trajectory_recorded sent; still in retained logs
+            self._forget_built(session_id, record.partition, str(doc.get("event_id", "")))
             return
         if session is None or sid in self.t.built or session_id in self.in_flight:
             return
@@ -422,8 +429,32 @@ class SessionAggregator:
         what it found: the offsets without a record there (transaction markers) are accounted for."""
         self.progress.accounted(topic, partition, end - 1)
 
-    def emitted_record(self, trajectory: TrajectoryRecord) -> dict[str, Any]:
-        return {"kind": "emitted", "session_id": trajectory.session_id, "event_id": trajectory.event_id}
+    def trajectory_recorded(self, session_id: str, partition: int, event_id: str) -> None:
+        """The broker has the session's trajectory (called from the send's callback, any time): the agent
+        forgets the session before its next record. Until then it stays in flight (not built again).
+
+        Applied by the agent, not here: a callback runs while the agent may be in the middle of a record
+        of the same session (a late call), whose state it would write back after the deletion. Before,
+        a control record ``emitted`` went through the broker and back for this: one more record per
+        session through Faust's consumer path. With no record to come (a quiet partition), the timer's
+        tick forgets them, between records."""
+        self._recorded.append((session_id, partition, event_id))
+
+    def _forget_recorded(self) -> None:
+        recorded, self._recorded = self._recorded, []
+        for session_id, partition, event_id in recorded:
+            self._forget_built(session_id, partition, event_id)
+
+    def _forget_built(self, session_id: str, partition: int, event_id: str) -> None:
+        """Drop a session whose trajectory is on the broker; remember its event id in ``built``."""
+        sid = session_id.encode()
+        self.in_flight.discard(session_id)
+        self.t.built.put(sid, event_id.encode(), partition)
+        if self._sessions().get(sid) is not None:
+            self.t.open.delete(sid, partition)
+            self._del_open(sid)
+        self.t.specs.delete(sid, partition)
+        self._specs.pop(sid, None)
 
     # -- the timer -----------------------------------------------------------------------------------
 
@@ -433,6 +464,8 @@ class SessionAggregator:
         The timer cannot write tables (no current record), so it sends a control record to the
         session's partition and the agent acts on it.
         """
+        if self._recorded and not self._handling:  # a quiet partition's last sessions (no record to come)
+            self._forget_recorded()
         now = self.clock()
         if self.progress.active_since is None:
             self.progress.active_since = now
@@ -476,6 +509,8 @@ class SessionAggregator:
         """Partitions were revoked or assigned: drop what was derived from the old assignment."""
         if partitions is not None:
             self.payloads.retain(partitions)
+            # Still true of the partitions kept: forgotten by the first record handled after the recovery.
+            self._recorded = [entry for entry in self._recorded if entry[1] in partitions]
         self.progress.reset()
         self.in_flight.clear()
         self._asked.clear()

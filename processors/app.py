@@ -84,7 +84,7 @@ tables = Tables(
 
 async def send_trajectory(trajectory: TrajectoryRecord, partition: int) -> None:
     """Send a built trajectory (encoded where it was built) to the session's partition; once the broker
-    has it, the ``emitted`` control record follows (the agent then forgets the session)."""
+    has it, the agent forgets the session (SessionAggregator.trajectory_recorded)."""
     future = await trajectories.send(key=trajectory.key, value=trajectory.value, headers=trajectory.headers,
                                      partition=partition)
     assert isinstance(future, asyncio.Future)  # declared as a bare Awaitable: the producer's future
@@ -95,7 +95,7 @@ async def send_trajectory(trajectory: TrajectoryRecord, partition: int) -> None:
                          None if fut.cancelled() else fut.exception())
             aggregator.on_send_failed(trajectory.session_id)
             return
-        asyncio.ensure_future(send_control(trajectory.session_id, partition, aggregator.emitted_record(trajectory)))
+        aggregator.trajectory_recorded(trajectory.session_id, partition, trajectory.event_id)
 
     future.add_done_callback(done)
 

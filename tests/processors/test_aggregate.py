@@ -520,3 +520,49 @@ async def test_a_corrupted_delta_is_dead_lettered_with_its_children() -> None:
     assert got.event_id == alone.event_id and _traces(got) == _traces(alone)
     assert [d.offset for d in letters] == [2, 3] and {d.error_type for d in letters} == {"missing_prompt_parent"}
     assert "no-such-event" in letters[0].reason and "no-such-event" in letters[1].reason
+
+
+async def test_a_recorded_trajectory_is_forgotten_before_the_next_record_and_its_replays_are_late() -> None:
+    """The broker's acknowledgement of a trajectory reaches the aggregator as a call (no control record
+    through the broker): the session stays in flight until the agent's next record, which first drops
+    its entries and keeps its event id in ``built``; a replayed call of it is then late, never rebuilt."""
+    plan, other = linear_session("r1", turns=3, seed=40), linear_session("r2", turns=2, seed=41, ended=False)
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka)
+    records = _records(plan, kafka)
+    for record in records:
+        await aggregator.handle(record)
+    (trajectory,) = kafka.trajectories
+    aggregator.trajectory_recorded("r1", 1, trajectory.event_id)
+    assert "r1" in aggregator.in_flight and b"r1" in tables.open  # not applied by the callback itself
+    await aggregator.handle(_records(other, kafka, offset_base=50)[0])
+    assert "r1" not in aggregator.in_flight and b"r1" not in tables.open and b"r1" not in tables.specs
+    assert tables.built[b"r1"] == trajectory.event_id.encode()
+    await aggregator.handle(records[2])  # a replayed completion of the built session
+    assert aggregator.counters["late"] == 1 and len(kafka.trajectories) == 1
+
+
+async def test_the_timer_forgets_recorded_trajectories_only_between_records() -> None:
+    """A quiet partition has no next record: the timer's tick forgets the session, but never while the
+    agent is in the middle of a record (whose state it could write back after the deletion)."""
+    plan = linear_session("r3", turns=2, seed=42)
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka)
+    seen_mid_record: list[bool] = []
+    outputs = kafka.outputs()
+    sent = outputs.send_trajectory
+
+    async def send_and_ack(record: TrajectoryRecord, partition: int) -> None:
+        await sent(record, partition)
+        aggregator.trajectory_recorded(record.session_id, partition, record.event_id)
+        await aggregator.tick({1})  # the timer runs while the agent awaits this send
+        seen_mid_record.append(b"r3" in aggregator._sessions())
+
+    aggregator.out.send_trajectory = send_and_ack
+    for record in _records(plan, kafka):
+        await aggregator.handle(record)
+    assert seen_mid_record == [True] and "r3" in aggregator.in_flight
+    await aggregator.tick({1})
+    aggregator.flush(lambda partition: True)
+    assert "r3" not in aggregator.in_flight and b"r3" not in tables.open
+    assert tables.built[b"r3"] == kafka.trajectories[0].event_id.encode()
