@@ -9,7 +9,7 @@ second), and the stream goes on. Then:
   its completions (same event id, same traces), never a partial one;
 - no duplicate trajectory: a session is never built into two trajectories with different event ids or
   different content. A session built by the worker that owned it just before the rebalance and built
-  again by its new owner (the ``emitted`` control record was not in yet) is re-emitted with the same
+  again by its new owner (its acknowledgement had not been applied to the tables yet) is re-emitted with the same
   event id and the same content: that is the at-least-once contract (readers de-duplicate by event id:
   the typed consumer, the groups worker by session, the SFT store by ``<trajectory id>:<trace id>``),
   so it is allowed, counted and printed, never two different trajectories;
