@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import pytest
 
 from processors.evaluators import EVALUATORS, evaluator_class
@@ -271,8 +272,18 @@ async def test_a_cancelled_grading_leaves_no_container(images: dict[str, Swebenc
     label = {"label": f"{SESSION_LABEL}=swebench-eval-{session_id}"}
     grading = asyncio.ensure_future(evaluator.evaluate(ended, spec))
     deadline = time.monotonic() + 60
-    while not any("sleep 60" in " ".join(p) for c in client.containers.list(ignore_removed=True, filters=label)
-                  for p in c.top().get("Processes") or []):
+
+    def tests_running() -> bool:
+        for container in client.containers.list(ignore_removed=True, filters=label):
+            try:  # a container may stop between the list and its process table
+                rows = container.top().get("Processes") or []
+            except docker.errors.APIError:
+                continue
+            if any("sleep 60" in " ".join(row) for row in rows):
+                return True
+        return False
+
+    while not tests_running():
         assert time.monotonic() < deadline and not grading.done(), "the tests never started"
         await asyncio.sleep(0.2)
     grading.cancel()
