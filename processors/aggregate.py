@@ -12,8 +12,9 @@ its deadline (a timer asks through the control topic) the session is built (proc
 validated, deltas resolved, the spec's builder run, in a process pool when the app has one) and the
 Trajectory is sent → when the broker has acknowledged it, the agent (before its next record: the tables
 have one writer) deletes the session's entries and remembers its id in ``built`` (late or replayed
-records of a built session are dropped). Nothing is deleted before the trajectory is on the broker, so a crash at any point leads to
-a rebuild from the same inputs, i.e. the same trajectory event id, which readers de-duplicate.
+records of a built session are dropped). Nothing is deleted before the trajectory is on the broker, so
+a crash at any point leads to a rebuild from the same inputs, i.e. the same trajectory event id, which
+readers de-duplicate.
 """
 
 from __future__ import annotations

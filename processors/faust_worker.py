@@ -114,8 +114,9 @@ def run_worker(app_module: str, *, kafka: KafkaSettings, data_dir: Path, data_di
     The app module reads its settings at import, so the state folder is put into ``data_dir_var`` first.
     ``event_loop``: ``uvloop`` (libuv's loop; Faust's consumer thread gets one too) or ``asyncio`` (the
     standard library's). A worker's loop runs a handful of callbacks, futures and socket or pipe events
-    per record; in ``bench.pipeline`` uvloop took the trajectory worker's loop from about 670 to 500 µs of
-    CPU per completion, and the loop is what bounds a flooded worker.
+    per record; in ``bench.pipeline --asyncio-loop-too`` (both loops in one run) uvloop took the trajectory
+    worker's process from 500–520 to 440–460 µs of CPU per completion, and that process (its loop and
+    Faust's consumer thread share the GIL) is what bounds a flooded worker.
     """
     from faust.worker import Worker
 
