@@ -52,6 +52,7 @@ import numpy as np
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from bench.machine_cpu import CpuMeter, CpuUse, children, format_use, kafka_broker_pids, process_cpu_s
 from bench.workloads import TokenSource, session_completions
 from processors.topics import prepare_topics
 from schemas.codec import encode_event, event_headers
@@ -108,24 +109,6 @@ def interleave(sessions: list[list[Record]], concurrent: int) -> list[Record]:
     return order
 
 
-def _process_cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:  # gone
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
 class Worker:
     def __init__(self, kafka: KafkaSettings, app_id: str, data_dir: Path, port: int,
                  extra_env: dict[str, str] | None = None) -> None:
@@ -179,11 +162,11 @@ class Worker:
 
     def main_cpu_s(self) -> float:
         """CPU seconds of the worker's own process (the Faust event loop), from /proc."""
-        return _process_cpu_s(self.process.pid)
+        return process_cpu_s(self.process.pid)
 
     def builds_cpu_s(self) -> float:
         """CPU seconds of the worker's build processes (its children: processors.session_builds)."""
-        return sum(_process_cpu_s(child) for child in _children(self.process.pid))
+        return sum(process_cpu_s(child) for child in children(self.process.pid))
 
     def health(self) -> dict:
         return httpx.get(self.url, timeout=5).json()
@@ -242,6 +225,13 @@ class Workers:
     def stop(self) -> None:
         for worker in self.workers:
             worker.stop()
+
+
+def meter(workers: Workers) -> CpuMeter:
+    """The machine's CPU and its parts during a flood: the workers (build processes included), the
+    broker, and this process (the producer and the trajectory reader)."""
+    return CpuMeter({"worker": lambda: [w.process.pid for w in workers.workers], "broker": kafka_broker_pids,
+                     "bench": lambda: [os.getpid()]})
 
 
 async def send_causally(producer: AIOKafkaProducer, order: list[Record], rate: float | None = None,
@@ -326,10 +316,10 @@ async def run_phase(kafka: KafkaSettings, order: list[Record], rate: float | Non
             "p99_ms": float(np.percentile(latencies, 99)), "max_ms": float(latencies.max())}
 
 
-async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float, list[float]]:
+async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float, list[float], CpuUse]:
     """Completions/s when the worker only counts and acknowledges records (ROLLWIRE_PROCESSORS_TRANSPORT_ONLY):
     the same flood through the same producer, broker and Faust consumer, with none of the work done; and
-    the worker's CPU seconds per completion meanwhile. The best of ``--transport-rounds`` floods (fresh
+    the worker's CPU seconds per completion and the machine's CPU meanwhile. The best of ``--transport-rounds`` floods (fresh
     sessions each): the first on a fresh topic runs slower (the broker warming up), and the ceiling
     should be what the transport can do, not what it did once."""
     kafka = KafkaSettings(topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
@@ -337,7 +327,8 @@ async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float, lis
     home = Path(tempfile.mkdtemp(prefix="rollwire-bench-pipeline-"))
     workers = Workers(kafka, "processors", home, args.port + 50, args.workers,
                       {"ROLLWIRE_PROCESSORS_TRANSPORT_ONLY": "true"})
-    rounds: list[tuple[float, float]] = []
+    rounds: list[tuple[float, float, CpuUse]] = []
+    cpu = meter(workers)
     try:
         workers.wait_healthy()
         counted = 0
@@ -349,7 +340,7 @@ async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float, lis
                                         max_request_size=kafka.max_message_bytes, linger_ms=5,
                                         max_batch_size=512 * 1024)
             await producer.start()
-            cpu0 = workers.cpu_s()
+            cpu0, machine0 = workers.cpu_s(), cpu.sample()
             started = time.time()
             try:
                 await send_causally(producer, order)
@@ -359,9 +350,10 @@ async def transport_ceiling(args: argparse.Namespace) -> tuple[float, float, lis
             while workers.health().get("records", 0) < counted:
                 await asyncio.sleep(0.05)
             completions = sum(r.is_completion for r in order)
-            rounds.append((completions / (time.time() - started), (workers.cpu_s() - cpu0) / completions))
-        best = max(rounds)
-        return best[0], best[1], [rate for rate, _ in rounds]
+            rounds.append((completions / (time.time() - started), (workers.cpu_s() - cpu0) / completions,
+                           cpu.since(machine0)))
+        best = max(rounds, key=lambda r: r[0])
+        return best[0], best[1], [r[0] for r in rounds], best[2]
     finally:
         workers.stop()
         shutil.rmtree(home, ignore_errors=True)
@@ -391,7 +383,7 @@ async def variant_flood(args: argparse.Namespace, env: dict[str, str], port_offs
 
 
 async def bench(args: argparse.Namespace) -> None:
-    ceiling, ceiling_cpu_s, ceiling_rounds = await transport_ceiling(args)
+    ceiling, ceiling_cpu_s, ceiling_rounds, ceiling_use = await transport_ceiling(args)
     inline = await variant_flood(args, {"ROLLWIRE_PROCESSORS_BUILD_PROCESSES": "0"}, 70, 4) \
         if args.inline_builds_too else None
     stdlib_loop = await variant_flood(args, {"ROLLWIRE_PROCESSORS_EVENT_LOOP": "asyncio"}, 90, 5) \
@@ -408,10 +400,12 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"generate_s={time.time() - t0:.1f}")
         print(f"completion_bytes_mean={np.mean([len(r.value) for r in completions]):.0f}")
         worker.wait_healthy()
-        cpu0, main0 = worker.cpu_s(), worker.main_cpu_s()
+        cpu = meter(worker)
+        cpu0, main0, machine0 = worker.cpu_s(), worker.main_cpu_s(), cpu.sample()
         worker.profiling(True, "flood")
         flood = await run_phase(kafka, interleave(flood_sessions, args.concurrent), None, len(flood_sessions),
                                 timeout_s=600)
+        flood_use = cpu.since(machine0)
         flood_cpu_s, flood_main_cpu_s = worker.cpu_s() - cpu0, worker.main_cpu_s() - main0
         worker.profiling(False, "flood")
         rate = min(args.rate, 0.8 * flood["events_per_s"])
@@ -446,6 +440,16 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"asyncio_loop_events_per_s={stdlib_loop[0]:.0f} "
               f"asyncio_loop_worker_cpu_us_per_completion={stdlib_loop[1] * 1e6:.0f} "
               f"asyncio_loop_worker_main_cpu_us_per_completion={stdlib_loop[2] * 1e6:.0f}")
+    # The whole machine during the best transport-only flood and during the flood: how full it was and
+    # the CPU per completion of each part. With the machine full in both, their ratio of machine CPU per
+    # completion bounds the throughput ratio this machine allows, however the work is scheduled.
+    flooded = int(flood["completions"])
+    for line in format_use("transport_only_", ceiling_use, flooded, "completion"):
+        print(line)
+    for line in format_use("flood_", flood_use, flooded, "completion"):
+        print(line)
+    machine_ratio = ceiling_use.machine_s / flood_use.machine_s if flood_use.machine_s > 0 else 0.0
+    print(f"machine_cpu_ratio_transport_only_to_flood={machine_ratio:.2f}")
     print(f"flood_end_to_trajectory_p99_ms={flood['p99_ms']:.0f}")
     print(f"paced_rate_completions_per_s={rate:.0f}")
     print(f"paced_events_per_s={paced['events_per_s']:.0f}")
