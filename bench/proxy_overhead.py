@@ -34,6 +34,7 @@ import httpx
 import orjson
 
 from bench.harness_requests import harness_requests
+from bench.machine_cpu import CpuMeter, kafka_broker_pids
 from bench.peers import Peer, PeerMissing, start_litellm, start_nginx
 from deploy.kafka import KafkaBroker, KafkaConfig
 from schemas.transport import KafkaSettings, broker_answers, ensure_topics
@@ -220,11 +221,21 @@ async def run(args: argparse.Namespace) -> None:
             elapsed = {name: 0.0 for name in paths}
             cpu_of = {"through": proxy, **({"baseline": baseline} if baseline is not None else {})}
             proxy_cpu = {name: 0.0 for name in cpu_of}
+            # The whole machine during each path's rounds: how busy it was, and its CPU per request (the
+            # client, the stand-in, the broker and the proxy or peer in between all share these cores).
+            meter = CpuMeter({"client": lambda: [os.getpid()], "standin": lambda: [standin.pid],
+                              "broker": kafka_broker_pids})
+            machine = {name: [0.0, 0.0, 0.0, 0.0, 0.0] for name in paths}  # wall, machine, client, standin, broker
             for _ in range(args.rounds):
                 for name, targets in paths.items():
                     process = cpu_of.get(name)
                     cpu = _cpu_seconds(process.pid) if process is not None else 0.0
+                    sample = meter.sample()
                     latencies, seconds = await _round(targets, bodies, args.requests_per_client, client)
+                    use = meter.since(sample)
+                    for i, value in enumerate((use.wall_s, use.machine_s, use.named_s["client"],
+                                               use.named_s["standin"], use.named_s["broker"])):
+                        machine[name][i] += value
                     if process is not None:
                         proxy_cpu[name] += _cpu_seconds(process.pid) - cpu
                     results[name] += latencies
@@ -268,6 +279,14 @@ async def run(args: argparse.Namespace) -> None:
     print(f"events_recorded={int(recorded)}")
     # The proxy's own CPU per call (its rounds only): steadier than latencies on a busy machine.
     print(f"through_proxy_cpu_ms_per_request={proxy_cpu['through'] * 1000 / len(t):.2f}")
+    cores = os.cpu_count() or 1
+    for name, (wall, busy, client_s, standin_s, broker_s) in machine.items():
+        n = len(results[name])
+        print(f"{name}_machine_busy={busy / (wall * cores) if wall > 0 else 0.0:.2f} "
+              f"{name}_machine_cpu_ms_per_request={busy * 1000 / n:.2f} "
+              f"{name}_client_cpu_ms_per_request={client_s * 1000 / n:.2f} "
+              f"{name}_standin_cpu_ms_per_request={standin_s * 1000 / n:.2f} "
+              f"{name}_broker_cpu_ms_per_request={broker_s * 1000 / n:.2f}")
     added_p50 = _pct(t, 0.5) - _pct(d, 0.5)
     stages = _stage_means(metrics_before, health)
     for stage in ("parse", "upstream_wait", "relay", "capture"):
