@@ -34,7 +34,7 @@ import httpx
 import orjson
 
 from bench.harness_requests import harness_requests
-from bench.machine_cpu import CpuMeter, kafka_broker_pids
+from bench.machine_cpu import CpuMeter, kafka_broker_pids, process_cpu_s
 from bench.peers import Peer, PeerMissing, start_litellm, start_nginx
 from deploy.kafka import KafkaBroker, KafkaConfig
 from schemas.transport import KafkaSettings, broker_answers, ensure_topics
@@ -105,15 +105,6 @@ async def _round(targets: list[tuple[str, dict[str, str]]], bodies: list[bytes],
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) a process has used so far, from /proc (Linux); 0 elsewhere."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _metric_sums(text: str, name: str) -> dict[str, float]:
@@ -229,7 +220,7 @@ async def run(args: argparse.Namespace) -> None:
             for _ in range(args.rounds):
                 for name, targets in paths.items():
                     process = cpu_of.get(name)
-                    cpu = _cpu_seconds(process.pid) if process is not None else 0.0
+                    cpu = process_cpu_s(process.pid) if process is not None else 0.0
                     sample = meter.sample()
                     latencies, seconds = await _round(targets, bodies, args.requests_per_client, client)
                     use = meter.since(sample)
@@ -237,7 +228,7 @@ async def run(args: argparse.Namespace) -> None:
                                                use.named_s["standin"], use.named_s["broker"])):
                         machine[name][i] += value
                     if process is not None:
-                        proxy_cpu[name] += _cpu_seconds(process.pid) - cpu
+                        proxy_cpu[name] += process_cpu_s(process.pid) - cpu
                     results[name] += latencies
                     elapsed[name] += seconds
             health = (await client.get(f"http://127.0.0.1:{proxy_port}/metrics")).text
