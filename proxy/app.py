@@ -37,7 +37,8 @@ from proxy.openai_responses import ResponsesApi
 from proxy.calls import CallService
 from proxy.capture import EMPTY_REQUEST, CallContext, Recorder, body_digest
 from proxy.engine import VllmEngine
-from proxy.errors import CaptureFailed, NotFound, ProxyError, UpgradeRequired, as_proxy_error
+from proxy.errors import CaptureFailed, ClientDisconnected, NotFound, ProxyError, UpgradeRequired, as_proxy_error
+from proxy.hangups import Hangup
 from proxy.limits import check_request, decode_json_body, read_body, require_json_media_type
 from proxy.metrics import ProxyMetrics
 from proxy.policy import Policy
@@ -192,6 +193,7 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         started = time.perf_counter()
         status = 500
         ctx: CallContext | None = None
+        hangup: Hangup | None = None
         document: Any = None
         normalized: NormalizedRequest = EMPTY_REQUEST
         try:
@@ -205,11 +207,14 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             finally:
                 ctx = _context(request, provider.name, session, raw, settings.record_request_body, started)
             assert raw is not None
+            # From here until the reply starts, a harness that hangs up (its SDK's timeout) cancels the
+            # call's wait for the engine, and the call is recorded as abandoned (proxy/hangups.py).
+            hangup = Hangup(request.receive)
             document, call = await _parse(provider, raw, route)
             normalized = call.request
             ctx.requested_model = call.requested_model
             if not call.stream:
-                turn = await state.service.whole(ctx, session, call.request)
+                turn = await state.service.whole(ctx, session, call.request, hangup)
                 status = 200
                 rendering = time.perf_counter()
                 reply = JSONResponse(call.renderer.response(turn))
@@ -217,8 +222,13 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
                 state.metrics.stages(provider.name, ctx.stages)
                 return reply
             chunks = state.service.stream(ctx, session, call.request, call.renderer)
-            first = await anext(chunks, None)
+            try:
+                first = await hangup.guard(anext(chunks, None), "the engine's first tokens")
+            except ClientDisconnected as exc:
+                exc.recorded = True  # by the stream itself, cancelled (or its turn, if it was being recorded)
+                raise
             status = 200
+            hangup.stop()  # the streaming response listens for the hang-up from here on
             return RelayResponse(first, chunks, media_type=provider.stream_media_type,
                                  headers={"cache-control": "no-cache"})
         except Exception as exc:
@@ -232,6 +242,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
                 state.metrics.error(provider.name, error.kind)
             return JSONResponse(provider.error_body(error), status_code=error.status_code)
         finally:
+            if hangup is not None:
+                hangup.stop()
             state.metrics.requests.labels(api=provider.name, status=str(status)).inc()
             state.metrics.latency.labels(api=provider.name).observe(time.perf_counter() - started)
 

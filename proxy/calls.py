@@ -27,9 +27,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from proxy.branches import Placement
 from proxy.capture import CallContext, Recorder, completion_event
@@ -51,6 +51,7 @@ from proxy.errors import (
     UnrecordableEvent,
     as_proxy_error,
 )
+from proxy.hangups import Hangup
 from proxy.metrics import ProxyMetrics
 from proxy.policy import Admission, Policy, floor_of, sampled_version
 from proxy.providers import Renderer
@@ -62,6 +63,7 @@ from schemas.envelope import utcnow
 from schemas.prompt_chain import KEYFRAME_EVERY, KEYFRAME_GROWTH, ChainLink, delta_against, next_link
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class CallService:
@@ -126,12 +128,15 @@ class CallService:
         request = fit_max_tokens(request, self.engine.max_model_len)
         return request, engine_body(request, model, stream=stream), model
 
-    async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest) -> EngineTurn:
+    async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                    hangup: Hangup | None = None) -> EngineTurn:
         """Call the engine, record the event, and return the turn (raises ProxyError, already recorded).
 
         In a session's ``exact`` mode (the default) the prompt is built by the proxy from the session's
         branches (:mod:`proxy.continuation`) and sent as token ids; otherwise, or when the engine has no
-        token endpoints, the engine's chat endpoint renders it."""
+        token endpoints, the engine's chat endpoint renders it. With ``hangup``, a client that goes away
+        while the call waits for the policy gate or the engine ends the call there (ClientDisconnected,
+        recorded as such); once the engine has answered, the turn is recorded whatever the client does."""
         harness_request = request
         request = effective_request(request, session.spec.engine)
         turn: EngineTurn | None = None
@@ -139,16 +144,17 @@ class CallService:
         link: ChainLink | None = None
         try:
             await self.recorder.ensure_ready()
-            admission = await self._admit(ctx, session)
+            admission = await _unless_gone(hangup, self._admit(ctx, session), "the policy gate")
             request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
             ctx.stages.upstream_starts()
             placement = session.branches.place(request, harness_request)
             if placement.kind != "open" and await self._exact_mode(session):
                 with contextlib.suppress(TokenApiMissing):
-                    turn, placement = await self._exact(ctx, session, request, placement, body)
+                    turn, placement = await _unless_gone(
+                        hangup, self._exact(ctx, session, request, placement, body), "the engine")
             if turn is None:
-                turn = await self.engine.complete(body)
+                turn = await _unless_gone(hangup, self.engine.complete(body), "the engine")
                 ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
             admission.leave()  # the engine is done: recording must not hold up a weight update's drain
             ctx.first_token_at = utcnow()
@@ -335,6 +341,11 @@ class CallService:
         ctx.stages.relay = time.perf_counter() - started
         self.metrics.stages(ctx.api, ctx.stages)
         yield chunks
+
+
+def _unless_gone(hangup: Hangup | None, work: Coroutine[Any, Any, T], waiting_for: str) -> Awaitable[T]:
+    """``work``, cut short by the client's hang-up when there is a watcher (see proxy.hangups)."""
+    return work if hangup is None else hangup.guard(work, waiting_for)
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

@@ -51,7 +51,8 @@ def run(host: str = typer.Option(None, help="Listen address (ROLLWIRE_PROXY_HOST
     # up, until a full collection walked them all.
     gc.set_threshold(*_GC_THRESHOLDS)
     # uvicorn picks uvloop and httptools (uvicorn[standard]) when they are installed, as they are here.
-    uvicorn.run(app, host=settings.proxy_host, port=settings.proxy_port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=settings.proxy_host, port=settings.proxy_port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=settings.proxy_shutdown_grace_s)
 
 
 _GC_THRESHOLDS = (50_000, 20, 10)

@@ -27,6 +27,9 @@ class ProxySettings(BaseSettings):
     engine_connect_timeout_s: float = Field(default=5.0, gt=0)
     engine_timeout_s: float = Field(default=600.0, gt=0, description="Longest wait for the engine's reply.")
     capture_timeout_s: float = Field(default=15.0, gt=0, description="Longest wait for Kafka to ack an event.")
+    proxy_shutdown_grace_s: int = Field(default=30, ge=0, description=(
+        "On SIGTERM/SIGINT, how long calls in flight may still finish before they are cut (a call waiting "
+        "on a stuck engine would otherwise hold the proxy up to engine_timeout_s)."))
     capture_producers: int = Field(default=4, ge=1, le=16, description=(
         "Kafka producers sharing the proxy's writes, each with its own request in flight (a session's "
         "events always through the same one, so they keep their order). aiokafka keeps one request in flight "
