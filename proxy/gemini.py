@@ -47,7 +47,8 @@ import uuid
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, AliasGenerator, BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_snake
 
 from proxy.anthropic_messages import arguments_object
 from proxy.engine import EngineDelta, EngineTurn
@@ -66,11 +67,18 @@ from schemas.completions import (
 
 logger = logging.getLogger(__name__)
 
-_KNOWN_IGNORED = {"safetySettings", "cachedContent", "labels", "model"}
+_KNOWN_IGNORED = {"safetySettings", "safety_settings", "cachedContent", "cached_content", "labels", "model"}
+
+
+def _either_spelling(name: str) -> AliasChoices:
+    """A field's two JSON names: Gemini's REST API takes proto field names in lowerCamelCase and in
+    snake_case alike, and clients send both (google-genai writes ``parameters_json_schema``,
+    ``include_thoughts``, ``mime_type``). Errors name the camelCase one."""
+    return AliasChoices(name, to_snake(name))
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", alias_generator=AliasGenerator(validation_alias=_either_spelling))
 
 
 class FunctionCall(_Wire):
@@ -170,9 +178,9 @@ def parse_request(document: Any) -> GenerateContentRequest:
     if config is not None and config.candidateCount not in (None, 1):
         raise BadRequest("only candidateCount 1 is supported: each sample is its own session",
                          param="generationConfig.candidateCount")
-    extra = set(request.model_extra or ())
-    if extra & {"safetySettings", "cachedContent"}:
-        logger.info("gemini request: %s accepted and ignored", sorted(extra & {"safetySettings", "cachedContent"}))
+    ignored = set(request.model_extra or ()) & {"safetySettings", "safety_settings", "cachedContent", "cached_content"}
+    if ignored:
+        logger.info("gemini request: %s accepted and ignored", sorted(ignored))
     return request
 
 

@@ -156,6 +156,37 @@ def test_generation_config_and_tool_config_map_to_the_internal_form() -> None:
         assert GeminiApi().parse(body, Route(model=MODEL)).request.tool_choice == choice
 
 
+def test_snake_case_fields_mean_what_their_camel_case_spelling_means() -> None:
+    # Gemini's REST API takes both spellings, and google-genai (Python) sends snake_case for some fields:
+    # parameters_json_schema, include_thoughts, mime_type. None may be dropped silently.
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}, "additionalProperties": False}
+    camel = {"contents": [{"role": "user", "parts": [{"text": "hi"},
+                                                     {"inlineData": {"mimeType": "image/png", "data": "aGk="}}]}],
+             "systemInstruction": SYSTEM,
+             "tools": [{"functionDeclarations": [SHELL, {"name": "read", "parametersJsonSchema": schema}]}],
+             "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["read"]}},
+             "generationConfig": {"topP": 0.9, "topK": 20, "maxOutputTokens": 77, "stopSequences": ["END"],
+                                  "thinkingConfig": {"includeThoughts": True, "thinkingBudget": 0}}}
+    snake = {"contents": [{"role": "user", "parts": [{"text": "hi"},
+                                                     {"inline_data": {"mime_type": "image/png", "data": "aGk="}}]}],
+             "system_instruction": SYSTEM,
+             "tools": [{"function_declarations": [SHELL, {"name": "read", "parameters_json_schema": schema}]}],
+             "tool_config": {"function_calling_config": {"mode": "ANY", "allowed_function_names": ["read"]}},
+             "generation_config": {"top_p": 0.9, "top_k": 20, "max_output_tokens": 77, "stop_sequences": ["END"],
+                                   "thinking_config": {"include_thoughts": True, "thinking_budget": 0}},
+             "safety_settings": []}
+    from_camel = GeminiApi().parse(camel, Route(model=MODEL)).request
+    from_snake = GeminiApi().parse(snake, Route(model=MODEL)).request
+    assert from_snake == from_camel
+    assert [t.parameters for t in from_snake.tools][1] == schema
+    assert from_snake.sampling.max_tokens == 77 and from_snake.messages[0].role == "system"
+    assert from_snake.tool_choice == {"type": "function", "function": {"name": "read"}}
+    # An error's path follows the spelling sent; a missing field is named as the API documents it.
+    with pytest.raises(BadRequest) as missing:
+        GeminiApi().parse({"contents": [{"parts": [{"inline_data": {"data": "x"}}]}]}, Route(model=MODEL))
+    assert "contents.0.parts.0.inline_data.mimeType: Field required" in str(missing.value)
+
+
 @pytest.mark.parametrize("body, param, fragment", [
     ({"contents": []}, "contents", "at least 1"),
     ({"contents": [{"role": "assistant", "parts": [{"text": "x"}]}]}, "contents.0.role", "'user'"),
