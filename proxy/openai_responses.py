@@ -497,9 +497,23 @@ def normalize(request: ResponsesRequest) -> tuple[NormalizedRequest, ToolMap]:
 
 def _usage(turn: EngineTurn) -> dict[str, Any]:
     u = turn.usage
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens or 0},
+    # cache_write_tokens: OpenAI's newer models report it, and the SDKs now type it as always there.
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens or 0, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+# What a failed response's ``error.code`` may be (the SDKs check it against OpenAI's list); the ``error``
+# event before it keeps the proxy's own code. context_length_exceeded is not on the list but is what
+# Codex looks for to compact its history, so it is kept.
+_FAILED_CODES = frozenset({"server_error", "rate_limit_exceeded", "invalid_prompt", "context_length_exceeded"})
+
+
+def _failed_code(error: ProxyError, code: str | None) -> str:
+    if code in _FAILED_CODES:
+        return code
+    return "server_error" if error.status_code >= 500 else "invalid_prompt"
 
 
 def _new_id(prefix: str) -> str:
@@ -721,7 +735,7 @@ class ResponsesRenderer:
         """An ``error`` event, then ``response.failed``: the harness sees the call fail and may retry."""
         body = openai_error_body(error)["error"]
         failed = self._response("failed", [e.item for e in self._items if e.closed], None)
-        failed["error"] = {"code": body["code"], "message": body["message"]}
+        failed["error"] = {"code": _failed_code(error, body["code"]), "message": body["message"]}
         return self._start() + [self._event("error", code=body["code"], message=body["message"], param=body["param"]),
                                 self._event("response.failed", response=failed)]
 

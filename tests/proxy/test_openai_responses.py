@@ -135,7 +135,7 @@ async def test_whole_reply_is_captured_token_for_token(proxy: ProxyUnderTest) ->
     assert event.token_ids.tolist() == list(text.encode())
     assert reply["usage"] == {"input_tokens": len(event.prompt_token_ids), "output_tokens": len(event.token_ids),
                               "total_tokens": len(event.prompt_token_ids) + len(event.token_ids),
-                              "input_tokens_details": {"cached_tokens": 0},
+                              "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                               "output_tokens_details": {"reasoning_tokens": 0}}
 
 
@@ -304,6 +304,9 @@ async def test_engine_failure_mid_stream_is_a_response_failed_event(proxy: Proxy
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-2:] == ["error", "response.failed"]
     assert events[-1][1]["response"]["status"] == "failed" and events[-1][1]["response"]["error"]["message"]
+    # The error event keeps the proxy's kind; the failed response's code is one OpenAI's SDKs accept.
+    assert events[-2][1]["code"] == "engine_error"
+    assert events[-1][1]["response"]["error"]["code"] == "server_error"
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
 
 
