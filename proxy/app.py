@@ -18,7 +18,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,7 @@ from proxy.anthropic_messages import MessagesApi
 from proxy.gemini import GeminiApi
 from proxy.openai_chat import ChatCompletionsApi
 from proxy.openai_responses import ResponsesApi
+from proxy import model_catalog as catalog
 from proxy.calls import CallService
 from proxy.capture import EMPTY_REQUEST, CallContext, Recorder, body_digest
 from proxy.engine import VllmEngine
@@ -290,25 +291,60 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     async def messages_by_path(request: Request, session_id: str) -> Response:
         return await serve_call(request, messages, session_id)
 
-    async def count_tokens(request: Request, session_id: str | None) -> Response:
+    async def count_tokens(request: Request, session_id: str | None, parse: Callable[[Any], NormalizedRequest],
+                           error_body: Callable[[ProxyError], dict[str, Any]],
+                           answer: Callable[[int], dict[str, Any]]) -> Response:
+        """A prompt's token count by the engine's tokenizer and template (not a model call: not recorded)."""
         state = state_of(request)
         try:
             await state.registry.authenticate(session_id, _api_key(request), settings.session_wait_s)
             require_json_media_type(request)
             document = decode_json_body(await read_body(request, state.max_body_bytes))
-            count = await state.engine.count_prompt_tokens(messages.parse_count(document))
+            count = await state.engine.count_prompt_tokens(parse(document))
         except Exception as exc:
             error = as_proxy_error(exc, request.url.path)
-            return JSONResponse(messages.error_body(error), status_code=error.status_code)
-        return JSONResponse({"input_tokens": count})
+            return JSONResponse(error_body(error), status_code=error.status_code)
+        return JSONResponse(answer(count))
+
+    def count_messages(request: Request, session_id: str | None) -> Awaitable[Response]:
+        return count_tokens(request, session_id, messages.parse_count, messages.error_body,
+                            lambda count: {"input_tokens": count})
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens_by_key(request: Request) -> Response:
-        return await count_tokens(request, None)
+        return await count_messages(request, None)
 
     @app.post("/s/{session_id}/v1/messages/count_tokens")
     async def count_tokens_by_path(request: Request, session_id: str) -> Response:
-        return await count_tokens(request, session_id)
+        return await count_messages(request, session_id)
+
+    # -- model listings (proxy/model_catalog.py): not model calls, nothing recorded -----------------------
+    async def describe(request: Request, session_id: str | None, error_body: Callable[[ProxyError], dict[str, Any]],
+                       answer: Callable[[str, int | None], dict[str, Any]]) -> Response:
+        state = state_of(request)
+        try:
+            await state.registry.authenticate(session_id, _api_key(request), settings.session_wait_s)
+            served = await state.engine.served_model()
+        except Exception as exc:
+            error = as_proxy_error(exc, request.url.path)
+            return JSONResponse(error_body(error), status_code=error.status_code)
+        return JSONResponse(answer(served, state.engine.max_model_len))
+
+    @app.get("/v1/models")
+    @app.get("/s/{session_id}/v1/models")
+    async def list_models(request: Request, session_id: str | None = None) -> Response:
+        if catalog.is_anthropic(request.headers):
+            return await describe(request, session_id, messages.error_body,
+                                  lambda served, _: catalog.anthropic_models(served))
+        return await describe(request, session_id, chat.error_body, lambda served, _: catalog.openai_models(served))
+
+    @app.get("/v1/models/{model_id:path}")
+    @app.get("/s/{session_id}/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str, session_id: str | None = None) -> Response:
+        if catalog.is_anthropic(request.headers):
+            return await describe(request, session_id, messages.error_body,
+                                  lambda _, __: catalog.anthropic_model(model_id))
+        return await describe(request, session_id, chat.error_body, lambda _, __: catalog.openai_model(model_id))
 
     @app.head("/")
     @app.head("/s/{session_id}")
@@ -319,13 +355,33 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
 
     async def gemini_call(request: Request, session_id: str | None, target: str) -> Response:
         model, _, method = target.rpartition(":")
+        if method == "countTokens" and model:
+            return await count_tokens(
+                request, session_id,
+                lambda document: gemini.parse(catalog.gemini_count_document(document), Route(model=model)).request,
+                gemini.error_body, lambda count: {"totalTokens": count})
         refusal = None
         if method not in ("generateContent", "streamGenerateContent") or not model:
-            refusal = NotFound(f"no Gemini method {target!r}: use models/MODEL:generateContent or "
-                               "models/MODEL:streamGenerateContent")
+            refusal = NotFound(f"no Gemini method {target!r}: use models/MODEL:generateContent, "
+                               "models/MODEL:streamGenerateContent or models/MODEL:countTokens")
         route = Route(model=model or None, stream=method == "streamGenerateContent",
                       query=dict(request.query_params))
         return await serve_call(request, gemini, session_id, route, refusal)
+
+    @app.get("/v1beta/models")
+    @app.get("/s/{session_id}/v1beta/models")
+    async def gemini_models(request: Request, session_id: str | None = None) -> Response:
+        return await describe(request, session_id, gemini.error_body, catalog.gemini_models)
+
+    @app.get("/v1beta/models/{target:path}")
+    @app.get("/s/{session_id}/v1beta/models/{target:path}")
+    async def gemini_model(request: Request, target: str, session_id: str | None = None) -> Response:
+        if ":" in target:
+            error = NotFound(f"GET {request.url.path}: Gemini's methods are POSTed")
+            error.status_code = 405
+            return JSONResponse(gemini.error_body(error), status_code=405)
+        return await describe(request, session_id, gemini.error_body,
+                              lambda _, context: catalog.gemini_model(target, context))
 
     @app.post("/v1beta/models/{target:path}")
     async def gemini_by_key(request: Request, target: str) -> Response:
@@ -432,6 +488,8 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         """No such route or method: answered in the shape of the API the path belongs to."""
         provider = _provider_for_path(request.url.path)
+        if provider == "openai" and catalog.is_anthropic(request.headers):
+            provider = "anthropic"  # a path both share (say /v1/models/...), asked by an Anthropic client
         if provider == "rollwire":
             return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
         error = NotFound(f"{request.method} {request.url.path}: {exc.detail}")

@@ -580,7 +580,7 @@ class GeminiRenderer:
 # -- errors --------------------------------------------------------------------------------------------
 
 _STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-           413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 426: "FAILED_PRECONDITION",
+           405: "UNIMPLEMENTED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 426: "FAILED_PRECONDITION",
            429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 

@@ -609,15 +609,16 @@ _RAW_BODIES: tuple[tuple[str, bytes], ...] = (
 _UNKNOWN_ROUTES: dict[ApiName, tuple[tuple[str, bool], ...]] = {
     # (route, records): records when the route is served by the provider (the proxy answers its 404 itself)
     "openai.chat": (("/v1/chat/completion", False), ("/v1/chat/completions/extra", False), ("/v1/completions", False),
-                    ("/v1/models", False), ("/v1/embeddings", False), ("/v1/chat", False),
+                    ("/v1/fine_tuning/jobs", False), ("/v1/embeddings", False), ("/v1/chat", False),
                     ("/v1/chat/completions/", False)),
     "openai.responses": (("/v1/responses/resp_123", False), ("/v1/responses/resp_1/cancel", False),
                          ("/v1/responses/input_tokens", False), ("/v1/responsesX", False), ("/v1/responses/", False)),
     "anthropic.messages": (("/v1/messages/batches", False), ("/v1/messages/count_token", False),
                            ("/v1/messages/msg_1", False), ("/v1/messages/", False)),
-    "gemini": (("/v1beta/models", False), ("/v1beta/files", False), ("/v1beta/cachedContents", False),
-               ("/v1beta/models/gemini-2.5-flash:countTokens", True),
-               ("/v1beta/models/gemini-2.5-flash:embedContent", True), ("/v1beta/models/gemini-2.5-flash", True),
+    # (GET /v1/models, /v1beta/models[/MODEL] and POST :countTokens are served: proxy/model_catalog.py)
+    "gemini": (("/v1beta/corpora", False), ("/v1beta/files", False), ("/v1beta/cachedContents", False),
+               ("/v1beta/models/gemini-2.5-flash:predict", True),
+               ("/v1beta/models/gemini-2.5-flash:embedContent", True),
                ("/v1beta/models/:generateContent", True), ("/v1beta/tunedModels/x:generateContent", False)),
 }
 _QUERY_EXTRAS: dict[ApiName, tuple[tuple[str, str], ...]] = {

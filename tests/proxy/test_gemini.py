@@ -352,7 +352,7 @@ async def test_returned_signature_restores_the_reasoning(proxy: ProxyUnderTest) 
     ("generateContent", {"contents": [{"role": "bot", "parts": [{"text": "x"}]}]}, 400, "INVALID_ARGUMENT"),
     ("generateContent", {"contents": [USER], "generationConfig": {"candidateCount": 2}}, 400, "INVALID_ARGUMENT"),
     ("generateContent", [USER], 400, "INVALID_ARGUMENT"),
-    ("countTokens", {"contents": [USER]}, 404, "NOT_FOUND"),
+    ("countTokens", {"contents": []}, 400, "INVALID_ARGUMENT"),
     ("embedContent", {"contents": [USER]}, 404, "NOT_FOUND"),
 ])
 async def test_bad_requests_get_gemini_shaped_errors(proxy: ProxyUnderTest, path: str, body: object, status: int,
