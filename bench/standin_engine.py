@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import copy
 import os
 import time
@@ -261,6 +262,9 @@ class Standin:
         step = max(1, self.config.chunk_tokens)
         pieces = [ids[i:i + step] for i in range(0, len(ids), step)]
         deltas = self._tool_call_deltas(calls, len(pieces)) if calls else None
+        # Like vLLM's incremental detokenizer: a character split across tokens is held back until whole
+        # (its first tokens carry empty text), never sent as pieces that decode to nothing or to U+FFFD.
+        text_of = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for n, piece in enumerate(pieces):
             if n == len(pieces) // 2:
                 if fail == "cut":
@@ -281,7 +285,8 @@ class Standin:
             if deltas is not None:
                 delta = deltas[n]
             else:
-                delta = {"content": bytes(t for t in piece if 0 <= t < 256).decode("utf-8", errors="ignore")}
+                raw = bytes(t for t in piece if 0 <= t < 256)
+                delta = {"content": text_of.decode(raw, final=n == len(pieces) - 1)}
             yield chunk(template, delta=delta, token_ids=piece, logprobs=lps, finish_reason=finish if last else None)
             if self.config.token_interval_ms:
                 await asyncio.sleep(self.config.token_interval_ms / 1000)

@@ -157,3 +157,28 @@ async def test_standin_replies_with_a_forced_turns_text_or_ids() -> None:
                 chunks = [json.loads(line[6:]) for line in response.text.splitlines()
                           if line.startswith("data: {")]
                 assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []] == ids
+
+
+async def test_standin_streams_a_character_split_across_tokens_once_it_is_whole() -> None:
+    """One token per byte: "é" and "日" span several tokens. As vLLM's detokenizer does, the stand-in holds
+    a character back until its last byte (empty text before), so the streamed text is the whole reply's."""
+    from bench.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app
+
+    text = "héllo 日本 ✓"
+    transport = httpx.ASGITransport(app=create_app(StandinConfig(latency_ms=0)))
+    async with httpx.AsyncClient(transport=transport, base_url="http://standin") as standin:
+        replies = {}
+        for stream in (False, True):
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, "stream": stream,
+                    "vllm_xargs": {FORCED_TEXT_ARG: text}}
+            response = await standin.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200
+            if not stream:
+                replies[stream] = response.json()["choices"][0]["message"]["content"]
+                continue
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+            pieces = [ch["delta"].get("content") or "" for c in chunks for ch in c["choices"]]
+            assert all("\ufffd" not in piece for piece in pieces)
+            assert "" in pieces  # a token whose character was not whole yet
+            replies[stream] = "".join(pieces)
+    assert replies == {False: text, True: text}
