@@ -190,10 +190,20 @@ class Standin:
         except RecursionError as exc:  # JSON text nested past Python's limit (e.g. tool-call arguments)
             return self.error(500, f"the engine failed to render the prompt: {exc}")
         prompt_len = size if size is not None else len(prompt_ids)
-        if fail == "overflow" or prompt_len + max_tokens > self.config.max_model_len:
-            message = (f"This model's maximum context length is {self.config.max_model_len} tokens. "
-                       f"However, your request has {prompt_len + max_tokens} input tokens.")
+        context = self.config.max_model_len
+        # As vLLM 0.32: a prompt that fills the context is refused (parameter input_tokens); a max_tokens over
+        # the whole context is refused; one that does not fit beside the prompt is clamped to what is left
+        # (vllm/entrypoints/serve/utils/api_utils.py get_max_tokens), not refused.
+        if fail == "overflow" or prompt_len >= context:
+            message = (f"This model's maximum context length is {context} tokens. However, your prompt contains "
+                       f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. "
+                       f"Please reduce the length of the input prompt. (parameter=input_tokens, value={prompt_len})")
             return self.error(400, message, "input_tokens")
+        if max_tokens > context:
+            message = (f"max_tokens={max_tokens} cannot be greater than max_model_len={context}. Please request "
+                       f"fewer output tokens. (parameter=max_tokens, value={max_tokens})")
+            return self.error(400, message, "max_tokens")
+        max_tokens = min(max_tokens, context - prompt_len)
         if fail == "error" or (fail == "error_object" and not body.get("stream")):
             return self.error(500, "EngineCore encountered an issue.")
         if fail == "error_string" and not body.get("stream"):
