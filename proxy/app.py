@@ -330,21 +330,22 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             return JSONResponse(error_body(error), status_code=error.status_code)
         return JSONResponse(answer(served, state.engine.max_model_len))
 
+    def shared_path(request: Request, session_id: str | None,
+                    answer: Callable[[bool, str], dict[str, Any]]) -> Awaitable[Response]:
+        """OpenAI's and Anthropic's model paths are the same: the asker's shape, by its headers."""
+        anthropic = catalog.is_anthropic(request.headers)
+        return describe(request, session_id, messages.error_body if anthropic else chat.error_body,
+                        lambda served, _: answer(anthropic, served))
+
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")
     async def list_models(request: Request, session_id: str | None = None) -> Response:
-        if catalog.is_anthropic(request.headers):
-            return await describe(request, session_id, messages.error_body,
-                                  lambda served, _: catalog.anthropic_models(served))
-        return await describe(request, session_id, chat.error_body, lambda served, _: catalog.openai_models(served))
+        return await shared_path(request, session_id, catalog.listing)
 
     @app.get("/v1/models/{model_id:path}")
     @app.get("/s/{session_id}/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str, session_id: str | None = None) -> Response:
-        if catalog.is_anthropic(request.headers):
-            return await describe(request, session_id, messages.error_body,
-                                  lambda _, __: catalog.anthropic_model(model_id))
-        return await describe(request, session_id, chat.error_body, lambda _, __: catalog.openai_model(model_id))
+        return await shared_path(request, session_id, lambda anthropic, _: catalog.lookup(anthropic, model_id))
 
     @app.head("/")
     @app.head("/s/{session_id}")

@@ -47,6 +47,16 @@ def anthropic_models(served: str) -> dict[str, Any]:
     return {"data": [anthropic_model(served)], "has_more": False, "first_id": served, "last_id": served}
 
 
+def listing(anthropic: bool, served: str) -> dict[str, Any]:
+    """``GET /v1/models`` for an Anthropic client or an OpenAI one."""
+    return anthropic_models(served) if anthropic else openai_models(served)
+
+
+def lookup(anthropic: bool, model_id: str) -> dict[str, Any]:
+    """``GET /v1/models/{id}`` for an Anthropic client or an OpenAI one."""
+    return anthropic_model(model_id) if anthropic else openai_model(model_id)
+
+
 def gemini_model(name: str, context_tokens: int | None) -> dict[str, Any]:
     """The ``Model`` resource of ``name`` (with or without its ``models/`` prefix)."""
     model = name.removeprefix("models/")
