@@ -115,6 +115,16 @@ class CallService:
         ctx.stages.capture = time.perf_counter() - started
         return next_link(full, written, parent)
 
+    async def _record_shielded(self, ctx: CallContext, request: NormalizedRequest, turn: EngineTurn,
+                               parent: ChainLink | None = None) -> ChainLink:
+        """Record a served call whatever the caller does from now on: shielded, so that a hang-up during
+        the write neither cancels it nor gets the call recorded a second time (as abandoned)."""
+        recording = asyncio.ensure_future(self._record_turn(ctx, request, turn, parent))
+        self._background.add(recording)
+        recording.add_done_callback(self._background.discard)
+        recording.add_done_callback(_retrieved)
+        return await asyncio.shield(recording)
+
     async def _admit(self, ctx: CallContext, session: LiveSession) -> Admission:
         """Pass the policy gate (held while a weight update runs, or until the engine serves the session's
         floor); the call runs under the version known now."""
@@ -159,7 +169,14 @@ class CallService:
             admission.leave()  # the engine is done: recording must not hold up a weight update's drain
             ctx.first_token_at = utcnow()
             ctx.stages.first_bytes()
-            link = await self._record_turn(ctx, request, turn, _delta_parent(placement, ctx.continuation))
+            link = await self._record_shielded(ctx, request, turn, _delta_parent(placement, ctx.continuation))
+        except asyncio.CancelledError:
+            if turn is None:
+                # Cancelled while it waited: the harness hung up before an exact call's stream had its first
+                # bytes (that stream is this call, see _synthetic_stream), or the server is stopping.
+                gone = ClientDisconnected("the client went away before the engine answered")
+                self._detach(self.record_failure(ctx, request, gone, None))
+            raise
         except Exception as exc:
             if admission is not None:
                 admission.leave()
@@ -288,14 +305,8 @@ class CallService:
             ctx.stages.relayed()
             turn = assembler.turn()
             ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
-            # Once the turn is whole its event is written whatever the client does: shielded, so that a
-            # hang-up during the write neither cancels it nor records the call a second time.
-            recording = asyncio.ensure_future(self._record_turn(ctx, request, turn))
-            self._background.add(recording)
-            recording.add_done_callback(self._background.discard)
-            recording.add_done_callback(_retrieved)
             outcome = "recording"
-            link = await asyncio.shield(recording)
+            link = await self._record_shielded(ctx, request, turn)
             outcome = "recorded"
         except Exception as exc:
             outcome = "failed"

@@ -70,3 +70,34 @@ async def test_a_client_that_stays_gets_its_reply_and_one_served_event(kafka: Ka
             assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
         events = await proxy.completions(2)
         assert [e.status for e in events] == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_hang_up_during_an_exact_continuation_leaves_one_abandoned_call(kafka: KafkaSettings,
+                                                                                stream: bool) -> None:
+    # A session's second call continues its branch through the engine's token endpoints (exact mode): its
+    # stream is made from the whole turn, so the wait for the engine is inside the call, not the stream.
+    slow = create_standin(StandinConfig(latency_ms=1, reply_tokens=12, token_interval_ms=350, token_api=True))
+    with serve(slow) as slow_url, serve(create_app(proxy_settings(slow_url), kafka)) as url:
+        proxy = ProxyUnderTest(url, kafka)
+        session = proxy.new_session(engine={"max_tokens": 12})
+        target = f"{session['base_urls']['openai']}/chat/completions"
+        messages: list[dict] = [{"role": "user", "content": "go"}]
+        async with httpx.AsyncClient(timeout=30) as client:
+            first = await client.post(target, json={"messages": messages}, headers=auth(session))
+            assert first.status_code == 200, first.text
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "more"}]
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(0.5)) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                async with client.stream("POST", target, json={"messages": messages, "stream": stream},
+                                         headers=auth(session)) as response:
+                    await response.aread()
+        served, abandoned = await proxy.completions(2, timeout_s=3.5, raw=True)
+        assert time.monotonic() - started < 4.0  # before the engine's 12 tokens 350 ms apart were done
+        assert served.status == "ok" and served.continuation.mode == "rendered"
+        assert (abandoned.sequence, abandoned.status) == (1, "error") and abandoned.error is not None
+        assert abandoned.error.kind == "client_disconnected", abandoned.error
+        await asyncio.sleep(4.5 - (time.monotonic() - started))
+        assert len(await proxy.completions(2, raw=True)) == 2  # and never a served turn after it
