@@ -19,11 +19,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app: Any, port: int | None = None, timeout_s: float = 30) -> Iterator[str]:
-    """Run ``app`` on 127.0.0.1 until the block ends; yields its base URL."""
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
+def serve(app: Any, port: int | None = None, timeout_s: float = 30,
+          server: uvicorn.Server | None = None) -> Iterator[str]:
+    """Run ``app`` on 127.0.0.1 until the block ends; yields its base URL. ``server`` runs it instead
+    of a plain uvicorn server (its config's port is then the one served)."""
+    if server is None:
+        port = port or free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               access_log=False, lifespan="on"))
+    else:
+        port = server.config.port
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

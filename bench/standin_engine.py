@@ -229,6 +229,8 @@ class Standin:
         if body.get("stream"):
             return StreamingResponse(self._stream(body, prompt_ids, ids, text, calls, finish, fail),
                                      media_type="text/event-stream")
+        if self.config.token_interval_ms:  # a whole reply comes once all its tokens are sampled
+            await asyncio.sleep(len(ids) * self.config.token_interval_ms / 1000)
         response = copy.deepcopy(self.whole_template)
         response.update(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.get("model"),
                         prompt_token_ids=prompt_ids)

@@ -170,6 +170,9 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         try:
             yield
         finally:
+            # Calls the shutdown grace cut are recorded (as proxy_stopped) before the producer closes.
+            service.begin_stop()
+            await service.drain(settings.capture_timeout_s)
             await state.feed.stop()
             await recorder.stop()
             await engine.aclose()

@@ -48,6 +48,7 @@ from proxy.errors import (
     ContextOverflow,
     EngineFailed,
     ProxyError,
+    ProxyStopped,
     UnrecordableEvent,
     as_proxy_error,
 )
@@ -79,6 +80,33 @@ class CallService:
         self.metrics = metrics
         self.upstream_stream = upstream_stream
         self._background: set[asyncio.Task[Any]] = set()
+        self._in_flight = 0  # calls inside whole() or stream()
+        self._stopping = False
+
+    def begin_stop(self) -> None:
+        """The proxy is shutting down: a call cut from now on is recorded as ``proxy_stopped``, not as the
+        harness's hang-up."""
+        self._stopping = True
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait (up to ``timeout_s``) until no call is in flight and every detached recording is done, so
+        that the calls a shutdown cut are on the log before the producer closes. Returns how many calls
+        and recordings were still running at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight or self._background:
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        left = self._in_flight + len(self._background)
+        if left:
+            logger.warning("%d calls or recordings still running after %.1f s of shutdown", left, timeout_s)
+        return left
+
+    def _cut(self, message: str) -> ProxyError:
+        """What a cancelled call is recorded as: the proxy's own shutdown, or the harness gone away."""
+        if self._stopping:
+            return ProxyStopped("the proxy stopped before the call ended")
+        return ClientDisconnected(message)
 
     async def record_failure(self, ctx: CallContext, request: NormalizedRequest, error: ProxyError,
                              turn: EngineTurn | None = None) -> None:
@@ -140,6 +168,15 @@ class CallService:
 
     async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
                     hangup: Hangup | None = None) -> EngineTurn:
+        """Call the engine, record the event, and return the turn (see :meth:`_whole`)."""
+        self._in_flight += 1
+        try:
+            return await self._whole(ctx, session, request, hangup)
+        finally:
+            self._in_flight -= 1
+
+    async def _whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                     hangup: Hangup | None = None) -> EngineTurn:
         """Call the engine, record the event, and return the turn (raises ProxyError, already recorded).
 
         In a session's ``exact`` mode (the default) the prompt is built by the proxy from the session's
@@ -174,7 +211,7 @@ class CallService:
             if turn is None:
                 # Cancelled while it waited: the harness hung up before an exact call's stream had its first
                 # bytes (that stream is this call, see _synthetic_stream), or the server is stopping.
-                gone = ClientDisconnected("the client went away before the engine answered")
+                gone = self._cut("the client went away before the engine answered")
                 self._detach(self.record_failure(ctx, request, gone, None))
             raise
         except Exception as exc:
@@ -264,80 +301,84 @@ class CallService:
         after it, the error is rendered into the stream, so the harness sees a failed call (never a
         normal stop, never a reset connection). Either way the failure is recorded first.
         """
-        harness_request = request
-        request = effective_request(request, session.spec.engine)
-        placement = session.branches.place(request, harness_request)
-        if not self.upstream_stream or placement.kind != "open" and await self._exact_mode(session):
-            # An exact continuation's reply is parsed by the engine's derender once it is whole: its stream
-            # is synthesized from the recorded turn (first bytes when the turn is done).
-            async for chunk in self._synthetic_stream(ctx, session, harness_request, renderer):
-                yield chunk
-            return
-        assembler = TurnAssembler()
-        link: ChainLink | None = None
-        outcome = "aborted"
-        started = False  # once a chunk is out, errors can only be told in the stream itself
-        admission: Admission | None = None
+        self._in_flight += 1  # until the stream is done or closed (drain)
         try:
-            await self.recorder.ensure_ready()
-            admission = await self._admit(ctx, session)
-            request, body, ctx.served_model = await self._prepare(request, stream=True)
-            ctx.upstream_started_at = utcnow()
-            ctx.stages.upstream_starts()
-            batches = self.engine.stream(body)
+            harness_request = request
+            request = effective_request(request, session.spec.engine)
+            placement = session.branches.place(request, harness_request)
+            if not self.upstream_stream or placement.kind != "open" and await self._exact_mode(session):
+                # An exact continuation's reply is parsed by the engine's derender once it is whole: its stream
+                # is synthesized from the recorded turn (first bytes when the turn is done).
+                async for chunk in self._synthetic_stream(ctx, session, harness_request, renderer):
+                    yield chunk
+                return
+            assembler = TurnAssembler()
+            link: ChainLink | None = None
+            outcome = "aborted"
+            started = False  # once a chunk is out, errors can only be told in the stream itself
+            admission: Admission | None = None
             try:
-                async for batch in batches:
-                    ctx.stages.first_bytes()
-                    out: list[bytes] = []
-                    for delta in batch:
-                        if ctx.first_token_at is None and (delta.token_ids or delta.has_text):
-                            ctx.first_token_at = utcnow()
-                        assembler.add(delta)
-                        out += renderer.stream_delta(delta)
-                    if out:
-                        # One write for what one read brought: a proxy behind the engine catches up in
-                        # bigger writes rather than falling further behind one token at a time.
-                        started = True
-                        yield b"".join(out)
+                await self.recorder.ensure_ready()
+                admission = await self._admit(ctx, session)
+                request, body, ctx.served_model = await self._prepare(request, stream=True)
+                ctx.upstream_started_at = utcnow()
+                ctx.stages.upstream_starts()
+                batches = self.engine.stream(body)
+                try:
+                    async for batch in batches:
+                        ctx.stages.first_bytes()
+                        out: list[bytes] = []
+                        for delta in batch:
+                            if ctx.first_token_at is None and (delta.token_ids or delta.has_text):
+                                ctx.first_token_at = utcnow()
+                            assembler.add(delta)
+                            out += renderer.stream_delta(delta)
+                        if out:
+                            # One write for what one read brought: a proxy behind the engine catches up in
+                            # bigger writes rather than falling further behind one token at a time.
+                            started = True
+                            yield b"".join(out)
+                finally:
+                    await batches.aclose()
+                    admission.leave()
+                ctx.stages.relayed()
+                turn = assembler.turn()
+                ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
+                outcome = "recording"
+                link = await self._record_shielded(ctx, request, turn)
+                outcome = "recorded"
+            except Exception as exc:
+                outcome = "failed"
+                if admission is not None:
+                    admission.leave()
+                error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
+                await self.record_failure(ctx, request, error, assembler.turn())
+                if not started:
+                    raise error from exc
+                yield b"".join(renderer.stream_error(error))
+                return
             finally:
-                await batches.aclose()
-                admission.leave()
-            ctx.stages.relayed()
-            turn = assembler.turn()
-            ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
-            outcome = "recording"
-            link = await self._record_shielded(ctx, request, turn)
-            outcome = "recorded"
-        except Exception as exc:
-            outcome = "failed"
-            if admission is not None:
-                admission.leave()
-            error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
-            await self.record_failure(ctx, request, error, assembler.turn())
-            if not started:
-                raise error from exc
-            yield b"".join(renderer.stream_error(error))
-            return
+                if admission is not None:
+                    admission.leave()
+                if outcome == "aborted":
+                    # The harness went away (we were cancelled or closed mid-stream): record that in a task of
+                    # its own, since this one may not await anything any more.
+                    error = self._cut("the client closed the stream before it ended")
+                    self._detach(self.record_failure(ctx, request, error, assembler.turn()))
+            try:
+                yield ClosingChunk(b"".join(renderer.stream_finish(turn)))
+            finally:
+                # After the closing chunk is written (with the body's end: proxy/relay.py), not before: calls
+                # whose acks come back in one batch each get their end out without waiting for the others'
+                # bookkeeping. Nothing awaits between that write and this (the server writes without yielding
+                # to the loop), so the session's next call still finds its branch; a hang-up at the write (the
+                # generator closed) runs it too.
+                _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
+                self.metrics.event("ok")
+                self.metrics.continuation(ctx.api, ctx.continuation)
+                self.metrics.stages(ctx.api, ctx.stages)
         finally:
-            if admission is not None:
-                admission.leave()
-            if outcome == "aborted":
-                # The harness went away (we were cancelled or closed mid-stream): record that in a task of
-                # its own, since this one may not await anything any more.
-                error = ClientDisconnected("the client closed the stream before it ended")
-                self._detach(self.record_failure(ctx, request, error, assembler.turn()))
-        try:
-            yield ClosingChunk(b"".join(renderer.stream_finish(turn)))
-        finally:
-            # After the closing chunk is written (with the body's end: proxy/relay.py), not before: calls
-            # whose acks come back in one batch each get their end out without waiting for the others'
-            # bookkeeping. Nothing awaits between that write and this (the server writes without yielding
-            # to the loop), so the session's next call still finds its branch; a hang-up at the write (the
-            # generator closed) runs it too.
-            _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
-            self.metrics.event("ok")
-            self.metrics.continuation(ctx.api, ctx.continuation)
-            self.metrics.stages(ctx.api, ctx.stages)
+            self._in_flight -= 1
 
     def _detach(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -346,7 +387,7 @@ class CallService:
 
     async def _synthetic_stream(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
                                 renderer: Renderer) -> AsyncIterator[bytes]:
-        turn = await self.whole(ctx, session, request)
+        turn = await self._whole(ctx, session, request)
         started = time.perf_counter()
         chunks = b"".join(renderer.stream_whole(turn))
         ctx.stages.relay = time.perf_counter() - started

@@ -15,9 +15,9 @@ from typing import Any, NoReturn
 
 import httpx
 import typer
-import uvicorn
 from pydantic import ValidationError
 
+from proxy.server import proxy_server
 from proxy.settings import ProxySettings
 from schemas.api import SessionCreate, SessionEnd
 from schemas.tasks import EngineParams
@@ -50,9 +50,7 @@ def run(host: str = typer.Option(None, help="Listen address (ROLLWIRE_PROXY_HOST
     # each pass moved the requests in flight (a parsed 40 KB body is thousands of objects) a generation
     # up, until a full collection walked them all.
     gc.set_threshold(*_GC_THRESHOLDS)
-    # uvicorn picks uvloop and httptools (uvicorn[standard]) when they are installed, as they are here.
-    uvicorn.run(app, host=settings.proxy_host, port=settings.proxy_port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=settings.proxy_shutdown_grace_s)
+    proxy_server(app, settings.proxy_host, settings.proxy_port, settings.proxy_shutdown_grace_s).run()
 
 
 _GC_THRESHOLDS = (50_000, 20, 10)

@@ -105,6 +105,12 @@ class ClientDisconnected(ProxyError):
     kind, status_code = "client_disconnected", 499
 
 
+class ProxyStopped(ProxyError):
+    """The proxy was stopping and cut the call at the end of its shutdown grace (recorded, never sent)."""
+
+    kind, status_code = "proxy_stopped", 503
+
+
 class PolicyNotReady(EngineUnavailable):
     """The session asks for a newer policy version than the engine serves, and none came in time."""
 

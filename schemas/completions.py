@@ -128,7 +128,7 @@ class CallTimings(Model):
 
 CallErrorKind = Literal["bad_request", "payload_too_large", "unknown_session", "engine_unavailable",
                        "engine_timeout", "context_overflow", "engine_error", "capture_failed", "client_disconnected",
-                       "internal"]
+                       "proxy_stopped", "internal"]
 
 
 class CallError(Model):
