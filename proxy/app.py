@@ -21,13 +21,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.anthropic_messages import MessagesApi
@@ -50,6 +50,7 @@ from proxy.settings import ProxySettings
 from proxy.stages import StageTimes
 from proxy.weight_api import WeightApi
 from schemas.api import PolicyState, SessionCreate, SessionCreated, SessionEnd, SessionState, WeightUpdate
+from schemas.codec import unreadable_reason
 from schemas.completions import NormalizedRequest, ProviderApi
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.transport import KafkaSettings
@@ -397,9 +398,16 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
 
     # -- sessions -----------------------------------------------------------------------------------
     # The response models are named: a refusal is returned as a JSONResponse, which FastAPI sends as it is.
-    @app.post("/v1/sessions", status_code=201, response_model=SessionCreated)
-    async def create_session(request: Request, body: SessionCreate) -> SessionCreated | JSONResponse:
+    @app.post("/v1/sessions", status_code=201, response_model=SessionCreated,
+              openapi_extra={"requestBody": {"content": {"application/json": {
+                  "schema": SessionCreate.model_json_schema()}}, "required": True}})
+    async def create_session(request: Request) -> SessionCreated | JSONResponse:
         state = state_of(request)
+        if (refused := _admin_refusal(request, settings)) is not None:
+            return refused
+        body = await _api_body(request, SessionCreate)
+        if isinstance(body, JSONResponse):
+            return body
         session_id = body.session_id or f"adhoc-{secrets.token_hex(8)}"
         api_key = body.api_key or f"rw-{secrets.token_urlsafe(24)}"
         if state.registry.get(session_id) is not None:
@@ -420,15 +428,26 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         session = state_of(request).registry.get(session_id)
         if session is None:
             return _api_error(404, f"no session {session_id!r}")
+        if (refused := _session_refusal(request, settings, session)) is not None:
+            return refused
         return SessionState(session_id=session_id, live=not session.ended, calls=session.next_sequence,
                             origin=session.spec.origin)
 
-    @app.post("/v1/sessions/{session_id}/end", response_model=SessionState)
-    async def end_session(request: Request, session_id: str, body: SessionEnd) -> SessionState | JSONResponse:
+    @app.post("/v1/sessions/{session_id}/end", response_model=SessionState,
+              openapi_extra={"requestBody": {"content": {"application/json": {
+                  "schema": SessionEnd.model_json_schema()}}}})
+    async def end_session(request: Request, session_id: str) -> SessionState | JSONResponse:
         state = state_of(request)
         session = state.registry.get(session_id)
         if session is None:
             return _api_error(404, f"no session {session_id!r}")
+        if (refused := _session_refusal(request, settings, session)) is not None:
+            return refused
+        body = await _api_body(request, SessionEnd, empty_ok=True)
+        if isinstance(body, JSONResponse):
+            return body
+        if session.ended:  # its outcome is on the log already: a second end must not overwrite it
+            return _api_error(409, f"session {session_id!r} has already ended")
         ended = SessionEnded(session_id=session_id, task_id=session.spec.task_id, status=body.status,
                              reason=body.reason)
         if (failed := await _publish(state, ended)) is not None:
@@ -504,14 +523,34 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         error = as_proxy_error(exc, request.url.path)
         provider = _provider_for_path(request.url.path)
+        if provider == "rollwire":
+            return _api_error(500, error.message)
         render = errors_by_provider.get(provider, chat.error_body)
         return JSONResponse(render(error), status_code=500)
 
     return app
 
 
+M = TypeVar("M", bound=BaseModel)
+_SESSION_BODY_BYTES = 1024 * 1024  # a spec's metadata and engine extras; far below a Kafka record
+
+
+async def _api_body(request: Request, model: type[M], *, empty_ok: bool = False) -> M | JSONResponse:
+    """The request's JSON body as ``model``, read within a limit: a 413 or a 422 with its reason if not."""
+    try:
+        raw = await read_body(request, _SESSION_BODY_BYTES)
+        return model.model_validate_json((raw or b"{}") if empty_ok else raw)
+    except ValidationError as exc:
+        return _api_error(422, _validation_text(exc))
+    except ProxyError as exc:
+        return _api_error(exc.status_code, exc.message)
+
+
 async def _publish(state: ProxyState, event: SessionSpec | SessionEnded) -> JSONResponse | None:
-    """Write a session event durably; a 503 response if Kafka does not take it."""
+    """Write a session event durably: a 422 if it could not be read back from the log (a value JSON or its
+    consumers cannot hold), a 503 if Kafka does not take it."""
+    if (reason := unreadable_reason(event)) is not None:
+        return _api_error(422, f"the session's event could not be read back from the log: {reason}")
     try:
         await state.recorder.record(event)
     except CaptureFailed as exc:
@@ -526,17 +565,34 @@ def _api_error(status: int, detail: str) -> JSONResponse:
 _POLICY_BODY_BYTES = 64 * 1024
 
 
-def _admin_refusal(request: Request, settings: ProxySettings) -> JSONResponse | None:
-    """A 401 unless the request carries the admin token (when one is configured); None lets it through."""
+def _is_admin(request: Request, settings: ProxySettings) -> bool:
+    """The request carries the proxy's admin token (False when none is configured)."""
     token = settings.proxy_admin_token
     if not token:
-        return None
+        return False
     auth = request.headers.get("authorization", "")
     given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    if given and hmac.compare_digest(given.encode(), token.encode()):
+    return bool(given) and hmac.compare_digest(given.encode(), token.encode())
+
+
+def _admin_refusal(request: Request, settings: ProxySettings) -> JSONResponse | None:
+    """A 401 unless the request carries the admin token (when one is configured); None lets it through."""
+    if not settings.proxy_admin_token or _is_admin(request, settings):
         return None
-    return JSONResponse({"detail": "the policy API needs the proxy's admin token: send "
+    return JSONResponse({"detail": "this API needs the proxy's admin token: send "
                                    "`Authorization: Bearer <ROLLWIRE_PROXY_ADMIN_TOKEN>`"},
+                        status_code=401, headers={"www-authenticate": "Bearer"})
+
+
+def _session_refusal(request: Request, settings: ProxySettings, session: LiveSession) -> JSONResponse | None:
+    """A 401 unless the request carries the session's own key, or the admin token: one session can never
+    read or end another (ids are predictable, ``{task_id}-s{n}``; keys are not)."""
+    given = _api_key(request)
+    key = session.spec.api_key
+    if given and key and hmac.compare_digest(given.encode(), key.encode()) or _is_admin(request, settings):
+        return None
+    return JSONResponse({"detail": "send the session's own API key (Authorization: Bearer, x-api-key or "
+                                   "x-goog-api-key), or the proxy's admin token"},
                         status_code=401, headers={"www-authenticate": "Bearer"})
 
 

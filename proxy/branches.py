@@ -143,7 +143,9 @@ class BranchStore:
 
     @property
     def main(self) -> Branch | None:
-        return next((b for b in self._branches.values() if b.role == "main"), None)
+        """The agent's line: the first ``main`` branch that offers tools, else the first ``main`` branch."""
+        mains = [b for b in self._branches.values() if b.role == "main"]
+        return next((b for b in mains if b.tools != _NO_TOOLS), mains[0] if mains else None)
 
     def place(self, request: NormalizedRequest, harness_request: NormalizedRequest | None = None) -> Placement:
         """Decide where ``request`` goes (``harness_request``: as the harness sent it, before the session's
@@ -185,7 +187,11 @@ class BranchStore:
             return "side"
         if main is None:
             return "main"
-        if not request.tools and main.tools != tools_signature([]):
+        if request.tools and main.tools == _NO_TOOLS:
+            # The session's first call offered no tools and the agent's own first call came after it (opencode
+            # asks for the session's title first): the first call with tools opens the agent's line.
+            return "main"
+        if not request.tools and main.tools != _NO_TOOLS:
             return "side"
         if request.tools and _system_text(request) != main.system_text:
             return "sub_agent"
@@ -236,6 +242,7 @@ class BranchStore:
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 _NO_TOKENS.flags.writeable = False
+_NO_TOOLS = tools_signature([])  # the signature of a call that offers no tools
 
 
 def _packed(prompt: Sequence[int], sampled: Sequence[int], link: ChainLink | None) -> np.ndarray:

@@ -117,10 +117,13 @@ def _proxy_message(response: httpx.Response) -> str:
     return json.dumps(body)
 
 
-def _post(url: str, body: dict[str, Any], expected: int) -> dict[str, Any]:
-    """POST ``body`` to the proxy and return its JSON answer; exit 1 on no answer or a refusal."""
+def _post(url: str, body: dict[str, Any], expected: int, key: str | None = None) -> dict[str, Any]:
+    """POST ``body`` to the proxy and return its JSON answer; exit 1 on no answer or a refusal. The request
+    carries ``key`` (a session's key), else the proxy's admin token when one is set here."""
+    token = key or ProxySettings().proxy_admin_token
+    headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
-        response = httpx.post(url, json=body, timeout=HTTP_TIMEOUT_S)
+        response = httpx.post(url, json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the proxy at {url}: {exc or type(exc).__name__}", FAILED)
     if response.status_code != expected:
@@ -190,6 +193,9 @@ def new_session(
 @session_app.command("end")
 def end_session(session_id: str = typer.Argument(..., help="The session to end."),
                 status: str = typer.Option("completed", help="completed, timeout, error or cancelled."),
+                api_key: str = typer.Option(None, help=(
+                    "The session's API key (as `session new` printed it); without it, the proxy's admin "
+                    "token (ROLLWIRE_PROXY_ADMIN_TOKEN) is sent.")),
                 proxy_url: str = typer.Option(None, help="Proxy base URL (default from settings).")) -> None:
     """End a session: its key stops working and the processors build its trajectories."""
     try:
@@ -197,5 +203,5 @@ def end_session(session_id: str = typer.Argument(..., help="The session to end."
     except ValidationError as exc:
         _fail(f"--status: {exc.errors()[0]['msg']}", USAGE_ERROR)
     answer = _post(f"{_base_url(proxy_url)}/v1/sessions/{session_id}/end",
-                   request.model_dump(mode="json", exclude_unset=True), expected=200)
+                   request.model_dump(mode="json", exclude_unset=True), expected=200, key=api_key)
     typer.echo(json.dumps(answer, indent=2))

@@ -36,6 +36,12 @@ Choices where Gemini and the internal form differ:
   A sampled call whose arguments are not a JSON object within the depth bound
   (:func:`proxy.anthropic_messages.arguments_object`) is left out and the candidate's ``finishReason``
   is ``MALFORMED_FUNCTION_CALL``, Gemini's own answer to such a call.
+- **A failure mid-stream** (the engine broke off, a limit) ends an ``alt=sse`` stream with Google's bare
+  error object (``{"error": {"code", "message", "status"}}`` and a newline, no ``data:``), which Google's
+  SDKs raise as an API error with that code (``@google/genai`` for JS looks for it in each read of the
+  body, and only there: a ``data: {"error": …}`` event became an empty chunk, and Gemini CLI retried the
+  stream and then printed the failed attempts' partial text as its answer, exit status 0). In the JSON
+  array framing the error object is the array's last element.
 """
 
 from __future__ import annotations
@@ -571,10 +577,13 @@ class GeminiRenderer:
         return self.stream_delta(EngineDelta(content=turn.content, reasoning=turn.reasoning)) + self.stream_finish(turn)
 
     def stream_error(self, error: ProxyError) -> list[bytes]:
-        chunks = [self._frame(error_body(error))]
-        if not self.sse:
-            chunks.append(b"]")
-        return chunks
+        """A failure after the stream started. With ``alt=sse`` it is the bare error object on a line of
+        its own, as Google ends a failed stream: ``@google/genai`` (JS) raises an ``ApiError`` with its
+        code only for that; a ``data:`` event holding an error reads as a chunk without candidates, so
+        Gemini CLI took a failed stream for one that lacked a finish reason (see the module docstring)."""
+        if self.sse:
+            return [orjson.dumps(error_body(error)) + b"\n"]
+        return [self._frame(error_body(error)), b"]"]
 
 
 # -- errors --------------------------------------------------------------------------------------------

@@ -78,6 +78,11 @@ class SessionRegistry:
             current = self._by_id.get(event.session_id)
             if current is None:
                 self._by_id[event.session_id] = LiveSession(event)
+            elif current.spec.api_key != event.api_key:
+                # Another writer's spec for a session id in use: the session stays whose it was (its key
+                # keeps working, the newcomer's is never taken), so neither writes into the other's calls.
+                logger.warning("ignoring a second spec for session %r with another key", event.session_id)
+                return
             else:
                 current.spec = event
             if event.api_key:

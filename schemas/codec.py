@@ -132,6 +132,19 @@ def _summarize(exc: ValidationError, limit: int = 5) -> str:
     return f"{exc.title} failed validation: " + "; ".join(parts) + more
 
 
+def unreadable_reason(event: Event) -> str | None:
+    """Why ``event`` could not be read back once written (say an integer past 64 bits in a free-form
+    field, which no consumer's JSON decoder takes), or None when its encoding decodes. For the APIs that
+    accept a session or a task: refusing one there is a 422; accepting it would lose it on the log."""
+    try:
+        decode_event(encode_event(event))
+    except EventDecodeError as exc:
+        return exc.reason
+    except ValueError as exc:  # a string that is not valid Unicode (a lone surrogate) cannot be encoded
+        return str(exc)
+    return None
+
+
 def event_to_jsonable(event: Event) -> dict[str, Any]:
     """The event as plain JSON types (packed arrays as strings)."""
     return event.model_dump(mode="json", exclude_none=True)

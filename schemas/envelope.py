@@ -28,9 +28,10 @@ def utcnow() -> datetime:
 
 
 class Model(BaseModel):
-    """Base for our own (non-provider) models: strict about unknown fields."""
+    """Base for our own (non-provider) models: strict about unknown fields, and numbers finite (JSON has
+    no infinity: one would be written as null and the event could not be read back)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 class Event(Model):

@@ -11,11 +11,13 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from producers.gateway.node import GatewayNode, stages_held
+from producers.validation_errors import install_validation_handler
 from schemas.rollouts import CancelAnswer, CancelRequest, GatewayHealth, HeldSession
 
 
 def create_app(node: GatewayNode) -> FastAPI:
     app = FastAPI(title="rollwire gateway node", docs_url=None, redoc_url=None)
+    install_validation_handler(app)
 
     @app.get("/health")
     async def health() -> GatewayHealth:

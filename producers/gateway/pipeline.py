@@ -270,7 +270,7 @@ class Pipeline:
         except TransportError as exc:
             outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"Kafka: {exc}")
             return
-        problem = await self._proxy_problem(session.session_id, wait_s=min(PROXY_WAIT_S, session.remaining_s()))
+        problem = await self._proxy_problem(session.spec, wait_s=min(PROXY_WAIT_S, session.remaining_s()))
         if problem is not None:
             outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, problem)
             return
@@ -283,7 +283,7 @@ class Pipeline:
             return
         self._judge(session, result, outcome)
         if outcome.failure is FailureKind.POLICY and outcome.status is SessionStatus.ERROR:
-            problem = await self._proxy_problem(session.session_id, wait_s=0)
+            problem = await self._proxy_problem(session.spec, wait_s=0)
             if problem is not None:
                 outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"{problem} ({outcome.reason})")
 
@@ -298,13 +298,15 @@ class Pipeline:
             tail = (result.stderr or result.stdout)[-500:].strip()
             outcome.fail(SessionStatus.ERROR, FailureKind.POLICY, f"harness exited {result.exit_code}: {tail}")
 
-    async def _proxy_problem(self, session_id: str, *, wait_s: float) -> str | None:
-        """None when the proxy answers and knows the session as live; else what is wrong."""
-        url = f"{self.settings.proxy_url}/v1/sessions/{session_id}"
+    async def _proxy_problem(self, spec: SessionSpec, *, wait_s: float) -> str | None:
+        """None when the proxy answers and knows the session as live; else what is wrong. Asked with the
+        session's own key: the proxy tells a session's state to that session (or its operator) only."""
+        url = f"{self.settings.proxy_url}/v1/sessions/{spec.session_id}"
+        headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                response = await self._http.get(url, timeout=5.0)
+                response = await self._http.get(url, headers=headers, timeout=5.0)
             except httpx.HTTPError as exc:
                 problem = f"proxy unreachable at {self.settings.proxy_url}: {exc!r}"
             else:

@@ -35,6 +35,8 @@ from producers.rollout.errors import (
 from producers.rollout.expand import check_request, expand
 from producers.rollout.settings import RolloutServerSettings
 from producers.rollout.status import RolloutView, StatusFeed
+from producers.validation_errors import install_validation_handler
+from schemas.codec import unreadable_reason
 from schemas.rollouts import CallbackState, TaskResult, TaskState, TaskStatus, TaskSubmitted, TaskSummary
 from schemas.tasks import TaskRequest
 from schemas.transport import EventProducer, KafkaSettings, TransportError
@@ -95,6 +97,15 @@ class RolloutService:
         self._reserved.add(request.task_id)
         try:
             accepted, specs = expand(request, source=self.source)
+            taken = [spec.session_id for spec in specs if self.view.session_in_use(spec.session_id)]
+            if taken:
+                raise TaskConflict(f"session id {taken[0]!r} of task {request.task_id!r} is already in use (an "
+                                   "ad-hoc session took it?); submit the task under a new task_id")
+            # What the log could not give back (a value no consumer's JSON decoder takes) is refused here:
+            # accepted, it would be lost to every gateway node and to this server after a restart.
+            for event in (accepted, *specs[:1]):
+                if (reason := unreadable_reason(event)) is not None:
+                    raise InvalidTask(("body",), f"the task's events could not be read back from the log: {reason}")
             assert self.producer is not None
             async with self._lock:
                 try:
@@ -154,6 +165,7 @@ def create_app(settings: RolloutServerSettings | None = None, kafka: KafkaSettin
             await service.stop()
 
     app = FastAPI(title="rollwire rollout server", lifespan=lifespan)
+    install_validation_handler(app)
 
     @app.exception_handler(RolloutError)
     async def _rollout_error(request: Request, exc: RolloutError) -> JSONResponse:

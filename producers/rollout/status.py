@@ -31,7 +31,14 @@ from schemas.rollouts import (
     TaskStatus,
     TaskSummary,
 )
-from schemas.sessions import FailureKind, SessionEnded, SessionStage, SessionStageChanged, SessionStatus
+from schemas.sessions import (
+    FailureKind,
+    SessionEnded,
+    SessionSpec,
+    SessionStage,
+    SessionStageChanged,
+    SessionStatus,
+)
 from schemas.tasks import TaskAccepted
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
@@ -39,7 +46,7 @@ from schemas.transport import EventConsumer, KafkaSettings, TransportError
 
 logger = logging.getLogger(__name__)
 
-STATUS_TOPICS = (Topic.TASKS, Topic.SESSION_EVENTS, Topic.EVALUATIONS, Topic.TRAJECTORIES)
+STATUS_TOPICS = (Topic.TASKS, Topic.SESSIONS, Topic.SESSION_EVENTS, Topic.EVALUATIONS, Topic.TRAJECTORIES)
 
 
 def _utcnow() -> datetime:
@@ -58,6 +65,9 @@ class RolloutView:
         self._completions: dict[str, int] = {}  # records counted on `completions`
         self._built_completions: dict[str, int] = {}  # as the session's trajectory counted them
         self._reported: set[str] = set()
+        # Every session id a spec was written for (any origin: ad-hoc sessions too), so that a new task
+        # never takes an id already in use (its calls would be counted as the task's).
+        self._registered: set[str] = set()
         # Every event id folded in: a reader that restarts from the beginning changes nothing twice.
         self._applied: set[str] = set()
 
@@ -71,6 +81,8 @@ class RolloutView:
         match event:
             case TaskAccepted():
                 self._apply_task(event)
+            case SessionSpec():
+                self._registered.add(event.session_id)
             case SessionStageChanged():
                 self._apply_stage(event)
             case SessionEnded():
@@ -79,6 +91,10 @@ class RolloutView:
                 self._apply_evaluation(event)
             case Trajectory():
                 self._apply_trajectory(event)
+
+    def session_in_use(self, session_id: str) -> bool:
+        """A spec, a stage, an end or a call of ``session_id`` is on the log already."""
+        return session_id in self._registered or session_id in self._sessions or session_id in self._completions
 
     def count_completions(self, session_id: str, n: int = 1) -> None:
         self._completions[session_id] = self._completions.get(session_id, 0) + n

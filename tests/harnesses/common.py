@@ -232,7 +232,7 @@ async def run_on_session(proxy: ProxyUnderTest, session: dict[str, Any], command
     """Run ``command`` in ``workspace`` with only loopback, then collect the session's completion events
     (as many as the proxy counted calls). ``run_type`` and ``fields``: a SessionRun subclass and its own fields."""
     result = run_harness(command, cwd=workspace, env=env, proxy_url=proxy.url, timeout_s=timeout_s)
-    calls = httpx.get(f"{proxy.url}/v1/sessions/{session['session_id']}", timeout=30).json()["calls"]
+    calls = proxy.session_state(session["session_id"], session["api_key"])["calls"]
     events = [e for e in await proxy.completions(calls) if e.session_id == session["session_id"]] if calls else []
     return run_type(session=session, home=home, workspace=workspace, returncode=result.returncode,
                     stdout=result.stdout, stderr=result.stderr, events=sorted(events, key=lambda e: e.sequence),
@@ -267,7 +267,7 @@ async def session_events(proxy: ProxyUnderTest, session_id: str, api: str, *,
                          timeout_s: float = 20.0) -> list[Completion]:
     """The session's completion events, in call order, after checking that there is at least one and
     each is ok, on ``api``, with token ids and one logprob per sampled token (unscripted sessions)."""
-    calls = httpx.get(f"{proxy.url}/v1/sessions/{session_id}", timeout=30).json()["calls"]
+    calls = proxy.session_state(session_id)["calls"]
     assert calls >= 1
     events = [e for e in await proxy.completions(calls, timeout_s=timeout_s) if e.session_id == session_id]
     assert sorted(e.sequence for e in events) == list(range(calls))

@@ -67,7 +67,7 @@ def context(session: dict[str, Any], handle: LocalHandle, *, instruction: str = 
 
 async def session_completions(proxy: ProxyUnderTest, session_id: str, timeout_s: float = 30) -> list[Completion]:
     """The session's completion events, in call order, once there are as many as the proxy counted calls."""
-    calls = httpx.get(f"{proxy.url}/v1/sessions/{session_id}", timeout=30).json()["calls"]
+    calls = proxy.session_state(session_id)["calls"]
     found: dict[int, Completion] = {}
     async with EventConsumer(proxy.kafka, [Topic.COMPLETIONS], group_id=None, dead_letters=False) as consumer:
         async def collect() -> None:

@@ -231,7 +231,7 @@ async def test_sessions_run_end_to_end_and_each_ends_once(kafka: KafkaSettings, 
             assert end.exit_code == 0
             assert end.patch is not None and "+++ b/answer.txt" in end.patch and "1: " in end.patch
             assert_ran_through_every_stage(lifecycle, spec.session_id, settings.node_name)
-            calls = httpx.get(f"{proxy.url}/v1/sessions/{spec.session_id}", timeout=10).json()
+            calls = proxy.session_state(spec.session_id, spec.api_key)
             assert calls == {"session_id": spec.session_id, "live": False, "calls": 2, "origin": "rollout"}
         async with EventConsumer(kafka, [Topic.DEAD_LETTER], group_id=None, dead_letters=False) as consumer:
             letters: list[DeadLetter] = []

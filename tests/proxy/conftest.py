@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -30,9 +30,23 @@ class ProxyUnderTest:
     url: str
     kafka: KafkaSettings
 
+    admin_token: str | None = None  # sent when the proxy has one (it then guards session creation)
+    keys: dict[str, str] = field(default_factory=dict)  # the sessions this helper created: id -> key
+
     def new_session(self, **body: object) -> dict:
-        response = httpx.post(f"{self.url}/v1/sessions", json=body, timeout=30)
+        headers = {"authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        response = httpx.post(f"{self.url}/v1/sessions", json=body, headers=headers, timeout=30)
         assert response.status_code == 201, response.text
+        created = response.json()
+        self.keys[created["session_id"]] = created["api_key"]
+        return created
+
+    def session_state(self, session_id: str, api_key: str | None = None) -> dict:
+        """``GET /v1/sessions/{id}``, asked with the session's own key (the proxy tells no one else)."""
+        key = api_key or self.keys[session_id]
+        response = httpx.get(f"{self.url}/v1/sessions/{session_id}", headers={"authorization": f"Bearer {key}"},
+                             timeout=30)
+        assert response.status_code == 200, response.text
         return response.json()
 
     async def completions(self, want: int, timeout_s: float = 20.0, *, raw: bool = False) -> list[Completion]:

@@ -77,7 +77,8 @@ def campaign_sessions(proxy_url: str) -> list[FuzzSession]:
     """The sessions a campaign uses: two live ones (indexes 0 and 1) and an ended one (index 2,
     :attr:`AuthMode.ENDED`)."""
     sessions = create_sessions(proxy_url, 3)
-    ended = httpx.post(f"{proxy_url}/v1/sessions/{sessions[2].session_id}/end", json={}, timeout=30)
+    ended = httpx.post(f"{proxy_url}/v1/sessions/{sessions[2].session_id}/end", json={}, timeout=30,
+                       headers={"authorization": f"Bearer {sessions[2].api_key}"})
     ended.raise_for_status()
     return sessions
 

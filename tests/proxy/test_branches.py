@@ -163,3 +163,17 @@ def test_a_branch_keeps_its_tokens_packed_and_exact() -> None:
     link = ChainLink("e1", "s", 0, link_tokens, (), [], 0, len(link_tokens))
     store.record(branch, req, 1, prompt, sampled, served(call()), "stop", closed=True, retry=True, link=link)
     assert branch.tokens is link_tokens and branch.last_prompt == prompt
+
+
+def test_a_title_call_before_the_agent_does_not_make_it_a_sub_agent() -> None:
+    # opencode asks for the session's title (no tools, its own system prompt) before the agent's first call.
+    store = BranchStore()
+    title = request(ChatMessage(role="system", content="You are a title generator."), USER, tools=[])
+    assert store.place(title).role == "main"  # nothing tells it from a tool-less harness's first call
+    record(store, title, 0, served(content="A title"))
+    agent = request(SYSTEM, USER)
+    assert store.place(agent).role == "main"
+    record(store, agent, 1, served(call()))
+    explorer = request(ChatMessage(role="system", content="You are a file search specialist."), USER)
+    assert store.place(explorer).role == "sub_agent"  # judged against the agent's line, not the title's
+    assert store.place(request(ChatMessage(role="system", content="Summarize."), USER, tools=[])).role == "side"

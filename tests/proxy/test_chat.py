@@ -135,7 +135,8 @@ async def test_sdk_retry_is_marked_as_a_retry_of_the_same_turn(proxy: ProxyUnder
 
 async def test_ended_session_is_refused(proxy: ProxyUnderTest) -> None:
     session = proxy.new_session()
-    ended = httpx.post(f"{proxy.url}/v1/sessions/{session['session_id']}/end", json={"status": "completed"})
+    ended = httpx.post(f"{proxy.url}/v1/sessions/{session['session_id']}/end", json={"status": "completed"},
+                       headers=auth(session))
     assert ended.status_code == 200 and ended.json()["live"] is False
     response = httpx.post(f"{session['base_urls']['openai']}/chat/completions", json={"messages": MESSAGES},
                           headers=auth(session))

@@ -36,7 +36,11 @@ def test_session_new_then_end_closes_the_key(proxy: ProxyUnderTest, monkeypatch:
     headers = {"authorization": f"Bearer {session['api_key']}"}
     assert httpx.post(f"{proxy.url}/v1/chat/completions", json=BODY, headers=headers, timeout=30).status_code == 200
 
-    ended = runner.invoke(app, ["session", "end", session["session_id"], "--proxy-url", proxy.url])
+    # Ending it takes its own key: without one (and no admin token here) the proxy refuses, nothing ends.
+    refused = runner.invoke(app, ["session", "end", session["session_id"], "--proxy-url", proxy.url])
+    assert refused.exit_code == 1 and "401" in refused.output, refused.output
+    ended = runner.invoke(app, ["session", "end", session["session_id"], "--proxy-url", proxy.url,
+                                "--api-key", session["api_key"]])
     assert ended.exit_code == 0, ended.output
     assert json.loads(ended.output) == {"session_id": session["session_id"], "live": False, "calls": 1,
                                         "origin": "adhoc"}

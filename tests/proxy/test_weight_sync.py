@@ -57,7 +57,7 @@ def rig(kafka: KafkaSettings, tmp_path: Path, *, dev_mode: bool = True, **settin
     checkpoint.mkdir(exist_ok=True)
     with serve(engine.app()) as engine_url, \
             serve(create_app(proxy_settings(engine_url, **settings), kafka)) as url:
-        yield Rig(ProxyUnderTest(url, kafka), engine, engine_url, str(checkpoint))
+        yield Rig(ProxyUnderTest(url, kafka, settings.get("proxy_admin_token")), engine, engine_url, str(checkpoint))
 
 
 def push(url: str, path: str, version: str, headers: dict[str, str] | None = None,
@@ -193,6 +193,10 @@ async def test_versions_only_go_up_and_one_update_at_a_time(kafka: KafkaSettings
 async def test_admin_token_is_required_when_set(kafka: KafkaSettings, tmp_path: Path) -> None:
     with rig(kafka, tmp_path, proxy_admin_token="admin-secret-1") as r:
         session = r.session()
+        # Creating a session is the operator's too: a session's key, or none, is refused.
+        for headers in ({}, auth(session)):
+            refused = httpx.post(f"{r.url}/v1/sessions", json={}, headers=headers, timeout=10)
+            assert refused.status_code == 401 and "admin token" in refused.json()["detail"], refused.text
         for headers in ({}, auth(session), {"authorization": "Bearer wrong"}, {"x-api-key": "admin-secret-1"}):
             got = httpx.get(f"{r.url}/v1/policy", headers=headers, timeout=10)
             assert got.status_code == 401 and "admin token" in got.json()["detail"], got.text

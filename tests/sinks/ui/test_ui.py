@@ -169,9 +169,10 @@ async def test_a_real_run_in_the_browser(kafka: KafkaSettings, standin_ui: tuple
                 failing = new_session("s-fail", 1)
                 await stages(producer, "s-fail", SessionStage.INIT, SessionStage.RUNNING)
                 ask(failing, [SYSTEM, {"role": "user", "content": "go"}])
-                for session_id, status in (("s-main", "completed"), ("s-fail", "error")):
+                for session_id, status, key in (("s-main", "completed", main["api_key"]),
+                                                ("s-fail", "error", failing["api_key"])):
                     answer = httpx.post(f"{proxy_url}/v1/sessions/{session_id}/end", timeout=30,
-                                        json={"status": status, "reason": "harness exited 1" if status == "error" else None})
+                                        headers={"authorization": f"Bearer {key}"}, json={"status": status, "reason": "harness exited 1" if status == "error" else None})
                     assert answer.status_code == 200, answer.text
                 await producer.send_many([
                     Evaluation(session_id="s-main", task_id=TASK_ID, evaluator="tests", reward=1.0, passed=True),
