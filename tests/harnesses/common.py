@@ -340,3 +340,30 @@ def assert_no_server_errors(proxy: ProxyUnderTest, api: str, calls: int) -> None
 def assert_exit_ok(result: subprocess.CompletedProcess[str]) -> None:
     """The CLI exited 0 (else: the tail of its output)."""
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+class ReasoningEngine(httpx.AsyncBaseTransport):
+    """The stand-in engine, but its streamed first turn (no assistant message yet) also carries reasoning
+    text, as vLLM's reasoning parser would send it (a ``reasoning`` delta, no token ids of its own)."""
+
+    def __init__(self, reasoning: str) -> None:
+        self.reasoning = reasoning
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        response = await self._inner.handle_async_request(request)
+        if request.url.path != "/v1/chat/completions":
+            return response
+        sent = json.loads(body)
+        if not sent.get("stream") or any(m["role"] == "assistant" for m in sent["messages"]):
+            return response
+        first, rest = (await response.aread()).split(b"\n\n", 1)
+        chunk = json.loads(first.removeprefix(b"data: "))
+        chunk.update(prompt_token_ids=None, choices=[{"index": 0, "delta": {"reasoning": self.reasoning},
+                                                      "finish_reason": None, "token_ids": [], "logprobs": None}])
+        injected = first + b"\n\ndata: " + json.dumps(chunk).encode() + b"\n\n" + rest
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=injected)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()

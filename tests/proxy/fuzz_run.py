@@ -307,6 +307,14 @@ def messages_stream_end(body: bytes) -> StreamEnd:
 
 def gemini_stream_end(body: bytes, sse: bool) -> StreamEnd:
     if sse:
+        # A failed stream ends as Google ends one: its bare error object on the last line, no ``data:``.
+        head, _, last = body.rstrip(b"\n").rpartition(b"\n")
+        failed = _json(last.decode("utf-8", errors="replace")) if last.startswith(b"{") else None
+        if isinstance(failed, dict) and isinstance(failed.get("error"), dict):
+            documents = [_json(e.data) for e in parse_sse(head)]
+            if any(isinstance(d, dict) and _gemini_finish(d) for d in documents):
+                return StreamEnd("bad", "an error and a finishReason in one stream")
+            return StreamEnd("error")
         documents = [_json(e.data) for e in parse_sse(body)]
     else:
         documents = _json(body.decode("utf-8", errors="replace"))
