@@ -410,6 +410,10 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
             return body
         session_id = body.session_id or f"adhoc-{secrets.token_hex(8)}"
         api_key = body.api_key or f"rw-{secrets.token_urlsafe(24)}"
+        if body.session_id is not None and not await _caught_up(state, max(settings.session_wait_s, 10.0)):
+            # A chosen id is checked against every session on the log, not the part read so far.
+            return JSONResponse({"detail": "the proxy is still reading the sessions topic; retry shortly"},
+                                status_code=503, headers={"retry-after": "2"})
         if state.registry.get(session_id) is not None:
             return _api_error(409, f"session {session_id!r} already exists")
         spec = SessionSpec(session_id=session_id, task_id=body.task_id, origin="adhoc", agent=body.agent,
@@ -544,6 +548,15 @@ async def _api_body(request: Request, model: type[M], *, empty_ok: bool = False)
         return _api_error(422, _validation_text(exc))
     except ProxyError as exc:
         return _api_error(exc.status_code, exc.message)
+
+
+async def _caught_up(state: ProxyState, wait_s: float) -> bool:
+    """The registry has read the sessions topic to its end (waiting up to ``wait_s`` for it)."""
+    try:
+        await asyncio.wait_for(state.feed.caught_up.wait(), wait_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 async def _publish(state: ProxyState, event: SessionSpec | SessionEnded) -> JSONResponse | None:

@@ -26,7 +26,7 @@ from datetime import datetime
 
 import numpy as np
 
-from processors.builders.continuations import count_prompt_builds, count_traces, cut_turns, trace_role
+from processors.builders.continuations import count_prompt_builds, count_traces, cut_turns, settle_roles, trace_role
 from schemas.arrays import Logprobs, LossMask, TokenIds
 from schemas.completions import Completion
 from schemas.envelope import utcnow
@@ -223,6 +223,7 @@ def trajectory(builder: BuilderName, session: Session, traces: list[Trace]) -> T
     """Wrap traces into the Trajectory event, with an event id derived from its inputs; completes the stats
     that every builder reports the same way (traces, truncation, roles, how the prompts were built)."""
     facts, stats = session.facts, session.stats
+    traces = settle_roles(traces, (c.event for c in session.calls))
     stats.traces = len(traces)
     stats.truncated = sum(t.truncated for t in traces)
     count_traces(traces, stats)

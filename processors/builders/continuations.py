@@ -71,6 +71,22 @@ def count_prompt_builds(events: Iterable[Completion], stats: TrajectoryStats) ->
     stats.exact_calls, stats.closed_cut_turns, stats.drift = exact_calls, closed, dict(sorted(drift.items()))
 
 
+def settle_roles(traces: list[Trace], events: Iterable[Completion]) -> list[Trace]:
+    """The traces with a late-known role fixed: a ``main`` trace none of whose calls offered tools is a
+    ``side`` one when another ``main`` trace offers tools. The proxy labels each call as it comes, and a
+    harness's side call made before its agent's first call (opencode asks for the session's title first)
+    opened the session as its ``main`` line; by the session's end it is plain which line is the agent's."""
+    offers_tools = {event.event_id: bool(event.request.tools) for event in events}
+
+    def tooled(trace: Trace) -> bool:
+        return any(offers_tools.get(completion_id, False) for completion_id in trace.completion_ids)
+
+    if not any(trace.role == "main" and tooled(trace) for trace in traces):
+        return traces
+    return [trace.model_copy(update={"role": "side"}) if trace.role == "main" and not tooled(trace) else trace
+            for trace in traces]
+
+
 def count_traces(traces: Iterable[Trace], stats: TrajectoryStats) -> None:
     """Count traces per role and cut turns over all traces."""
     roles: Counter[str] = Counter()

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from processors.builders import BUILDERS, SessionFacts, build_trajectory
+from schemas.completions import ToolDefinition
 from schemas.trajectories import Trace, Trajectory
 from tests.processors.factory import SESSION, continuation, full, make_call
 
@@ -154,3 +155,31 @@ def test_trajectories_written_before_these_fields_still_decode(name: str) -> Non
     old = Trajectory.model_validate(event)
     assert old.traces[0].role == "main" and old.traces[0].cut_turns == []
     assert (old.stats.roles, old.stats.abandoned, old.stats.exact_calls, old.stats.drift) == ({}, [], 0, {})
+
+
+def _with_tools(call, *names: str):
+    """``call`` as if its request offered the tools ``names``."""
+    tools = [ToolDefinition(name=name) for name in names]
+    return call.model_copy(update={"request": call.request.model_copy(update={"tools": tools})})
+
+
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_a_tool_less_first_call_is_a_side_trace_once_the_agent_offers_tools(builder: str) -> None:
+    """opencode asks for the session's title (no tools) before its agent's first call: the proxy, seeing no
+    line yet, recorded the title as ``main``; the built trajectory knows better and names it ``side``."""
+    title = make_call(0, [1, 2], [10, EOT], continued=continuation(mode="rendered", branch="b0", role="main"))
+    agent0 = _with_tools(make_call(1, [3, 4], [11, EOT], finish_reason="tool_calls",
+                                   continued=continuation(mode="rendered", branch="b1", role="main")), "write")
+    agent1 = _with_tools(make_call(2, full(agent0) + [20, 5], [12, EOT],
+                                   continued=continuation(parent_sequence=1, branch="b1", role="main")), "write")
+    result = build_trajectory(builder, [title, agent0, agent1], FACTS)
+    roles = {trace.sequences[0]: trace.role for trace in result.traces}
+    assert roles[0] == "side" and roles[1] == "main", roles
+    assert result.stats.roles["side"] == 1
+
+
+def test_a_session_without_tools_keeps_its_main_trace() -> None:
+    # A plain chat session (no call offers tools): nothing tells a side call apart, the line stays main.
+    only = make_call(0, [1, 2], [10, EOT], continued=continuation(mode="rendered", role="main"))
+    (trace,) = merge(only).traces
+    assert trace.role == "main"
