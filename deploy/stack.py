@@ -31,6 +31,7 @@ from deploy.errors import DeployError
 from deploy.kafka import KafkaBroker, KafkaConfig
 from deploy.kafka_cluster import KafkaCluster
 from deploy.services import ServiceProcess
+from schemas.admin_token import ADMIN_TOKEN_VARIABLE, ensure_admin_token
 from schemas.transport.admin import ExtraTopic, broker_answers, ensure_topics
 from schemas.transport.settings import KafkaSettings
 from schemas.ui_links import DEFAULT_UI_PORT
@@ -241,8 +242,11 @@ def _kafka_env(kafka: KafkaSettings) -> dict[str, str]:
 
 def proxy(kafka: KafkaSettings, engine_url: str, where: Port, *, timeout_s: float = 120) -> Part:
     """The gateway proxy in front of ``engine_url``."""
+    # The operator's endpoints (sessions, weights) take the deployment's admin token: a harness reaches
+    # this proxy too (schemas/admin_token.py).
     return _service("proxy", ("proxy", "--engine-url", engine_url), where,
-                    {**_kafka_env(kafka), "ROLLWIRE_ENGINE_URL": engine_url}, timeout_s=timeout_s)
+                    {**_kafka_env(kafka), "ROLLWIRE_ENGINE_URL": engine_url,
+                     ADMIN_TOKEN_VARIABLE: ensure_admin_token()}, timeout_s=timeout_s)
 
 
 def processors(kafka: KafkaSettings, where: Port, *, timeout_s: float = 180) -> Part:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from proxy.server import proxy_server
 from proxy.settings import ProxySettings
+from schemas.admin_token import admin_token
 from schemas.api import SessionCreate, SessionEnd
 from schemas.tasks import EngineParams
 from schemas.ui_links import session_url
@@ -120,7 +121,7 @@ def _proxy_message(response: httpx.Response) -> str:
 def _post(url: str, body: dict[str, Any], expected: int, key: str | None = None) -> dict[str, Any]:
     """POST ``body`` to the proxy and return its JSON answer; exit 1 on no answer or a refusal. The request
     carries ``key`` (a session's key), else the proxy's admin token when one is set here."""
-    token = key or ProxySettings().proxy_admin_token
+    token = key or admin_token()
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         response = httpx.post(url, json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
@@ -195,7 +196,7 @@ def end_session(session_id: str = typer.Argument(..., help="The session to end."
                 status: str = typer.Option("completed", help="completed, timeout, error or cancelled."),
                 api_key: str = typer.Option(None, help=(
                     "The session's API key (as `session new` printed it); without it, the proxy's admin "
-                    "token (ROLLWIRE_PROXY_ADMIN_TOKEN) is sent.")),
+                    "token (ROLLWIRE_PROXY_ADMIN_TOKEN, else the one `rollwire up` keeps) is sent.")),
                 proxy_url: str = typer.Option(None, help="Proxy base URL (default from settings).")) -> None:
     """End a session: its key stops working and the processors build its trajectories."""
     try:

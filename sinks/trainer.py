@@ -16,7 +16,7 @@ The loop (:meth:`OnlineTrainer.run`), with what a verl / TRL / slime user does i
    what vLLM's ``reload_weights`` reads), written beside and renamed into place so the engine never sees
    half a folder; the last ``keep_checkpoints`` stay.
 4. **Push** them: ``POST {proxy}/v1/policy/weights`` (schemas.api.WeightUpdate, version = step number,
-   ``Authorization: Bearer $ROLLWIRE_PROXY_ADMIN_TOKEN`` when set). The proxy holds new calls, drains
+   ``Authorization: Bearer`` the admin token, schemas/admin_token.py). The proxy holds new calls, drains
    the ones in flight, has the engine reload the folder and set its weight version, then resumes; every
    completion afterwards carries that ``policy_version``. The answer is schemas.api.PolicyState.
 5. **Set the version** on the feed (``feed.policy_version = step``) so staleness is measured against
@@ -73,11 +73,11 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from schemas.admin_token import admin_token
 from schemas.api import PolicyState, WeightUpdate
 from schemas.policy import version_number
 
 Stale = Literal["drop", "downweight"]
-ADMIN_TOKEN_VARIABLE = "ROLLWIRE_PROXY_ADMIN_TOKEN"
 CHECKPOINT_PREFIX = "policy-v"
 
 
@@ -256,7 +256,7 @@ class PolicyClient:
     """The proxy's weight endpoints: ``POST /v1/policy/weights`` and ``GET /v1/policy``."""
 
     proxy_url: str
-    admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_VARIABLE) or None)
+    admin_token: str | None = field(default_factory=admin_token)
     timeout_s: float = 900.0
 
     def _headers(self) -> dict[str, str]:

@@ -137,3 +137,27 @@ def test_proxy_refusal_exits_1_with_its_message(proxy: ProxyUnderTest) -> None:
     again = CliRunner().invoke(app, ["session", "new", "--session-id", "dup-1", "--proxy-url", proxy.url])
     assert again.exit_code == 1
     assert "409" in again.output and "already exists" in again.output
+
+
+def test_the_cli_sends_the_deployments_admin_token(kafka, standin_url: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A proxy started by `rollwire up` takes the token kept in $ROLLWIRE_HOME: the CLI reads it from there,
+    # while a caller without it (a harness reaching the proxy) can neither create nor end a session.
+    from proxy.app import create_app
+    from schemas.admin_token import ADMIN_TOKEN_VARIABLE, ensure_admin_token
+    from tests.proxy.conftest import proxy_settings
+    from tests.servers import serve
+
+    monkeypatch.setenv("ROLLWIRE_HOME", str(tmp_path))
+    monkeypatch.delenv(ADMIN_TOKEN_VARIABLE, raising=False)
+    token = ensure_admin_token()
+    with serve(create_app(proxy_settings(standin_url, proxy_admin_token=token), kafka)) as url:
+        refused = httpx.post(f"{url}/v1/sessions", json={}, timeout=30)
+        assert refused.status_code == 401, refused.text
+        runner = CliRunner()
+        created = runner.invoke(app, ["session", "new", "--proxy-url", url])
+        assert created.exit_code == 0, created.output
+        session_id = json.loads(created.output)["session_id"]
+        assert httpx.post(f"{url}/v1/sessions/{session_id}/end", json={}, timeout=30).status_code == 401
+        ended = runner.invoke(app, ["session", "end", session_id, "--proxy-url", url])  # the token again
+        assert ended.exit_code == 0 and json.loads(ended.output)["live"] is False, ended.output
