@@ -223,6 +223,12 @@ class SessionAggregator:
                 continue
             if session is None:
                 session = OpenSession(record.partition, (), now, now)
+            elif record.partition != session.partition:
+                # Keyed by the session but placed by hand elsewhere: its session reads its calls from one
+                # partition, and this record's offset there would name another record.
+                await self._dead_letter(record, "wrong_partition", f"session {session_id!r} is on partition "
+                                        f"{session.partition}; this record is on {record.partition}")
+                continue
             if spec.topic is Topic.COMPLETIONS:
                 if session_id in self.in_flight:
                     self.counters["calls_after_build"] += 1

@@ -14,14 +14,13 @@ session id against the key included, so a record whose headers or key lie is dea
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Any
 
 
 from schemas.codec import HEADER_EVENT_TYPE, HEADER_SCHEMA_VERSION, EventDecodeError, check_envelope
 from schemas.completions import Completion
-from schemas.dead_letter import DeadLetter
+from schemas.dead_letter import DeadLetter, dead_letter_of
 from schemas.topics import TopicSpec
 from schemas.versions import supported_versions
 
@@ -45,9 +44,11 @@ def peek(value: bytes | None, key: bytes | None, spec: TopicSpec) -> Envelope:
         raise EventDecodeError("invalid_event", "event_id is missing or not a string")
     if not isinstance(session_id, str) or not session_id:
         raise EventDecodeError("invalid_event", "session_id is missing or not a string")
-    if key is not None and key != session_id.encode("utf-8"):
-        # Co-partitioning depends on the key: a record keyed otherwise may sit on another session's partition.
-        raise EventDecodeError("key_mismatch", f"record key {key[:128]!r} is not the session id {session_id!r}")
+    if key != session_id.encode("utf-8"):
+        # Co-partitioning depends on the key: a record keyed otherwise (or not at all, so placed anywhere)
+        # may sit on another session's partition, where its session would look for its calls.
+        raise EventDecodeError("key_mismatch", f"record key {None if key is None else key[:128]!r} is not the "
+                               f"session id {session_id!r}")
     return Envelope(event_type, event_id, session_id, document)
 
 
@@ -76,14 +77,7 @@ def completion_session(value: bytes | None, key: bytes | None, headers: Any) -> 
 
 def dead_letter(*, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
                 headers: Any, group: str, error_type: str, reason: str, max_message_bytes: int) -> DeadLetter:
-    """The dead-letter event for a record this worker cannot process (payload cut to fit the size limit)."""
-    value = value or b""
-    keep = max_message_bytes // 2  # base64 grows it by a third
+    """The dead-letter event for a record this worker cannot process (cut to fit the size limit)."""
     pairs = headers.items() if isinstance(headers, dict) else (headers or ())
-    return DeadLetter(
-        source_topic=topic, partition=partition, offset=offset,
-        original_key=base64.b64encode(key).decode("ascii") if key is not None else None,
-        consumer_group=group, error_type=error_type, reason=reason[:4000],
-        payload=base64.b64encode(value[:keep]).decode("ascii"), payload_bytes=len(value),
-        payload_truncated=len(value) > keep,
-        headers={k: base64.b64encode(v or b"").decode("ascii") for k, v in pairs})
+    return dead_letter_of(topic=topic, partition=partition, offset=offset, key=key, value=value, headers=pairs,
+                          group=group, error_type=error_type, reason=reason, max_message_bytes=max_message_bytes)

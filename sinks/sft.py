@@ -124,26 +124,29 @@ def _last_completion_id(trace: Trace) -> str | None:
 
 
 class _Conversations:
-    """Conversations of recent completions by event id, at most ``max_bytes`` of JSON, oldest dropped."""
+    """Conversations of recent completions by session and event id, at most ``max_bytes`` of JSON, oldest
+    dropped. By session too: an event id is the writer's to choose, and a completion of another session
+    that reuses one must never fill this session's row."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._items: OrderedDict[str, tuple[list[dict[str, Any]], str, int]] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], tuple[list[dict[str, Any]], str, int]] = OrderedDict()
 
     def add(self, completion: Completion) -> None:
-        if completion.event_id in self._items or completion.status != "ok":
+        key = (completion.session_id, completion.event_id)
+        if key in self._items or completion.status != "ok":
             return
         messages, tools = conversation(completion)
         size = len(json.dumps(messages)) + len(tools)
-        self._items[completion.event_id] = (messages, tools, size)
+        self._items[key] = (messages, tools, size)
         self.bytes += size
         while self.bytes > self.max_bytes and len(self._items) > 1:
             _, (_, _, old) = self._items.popitem(last=False)
             self.bytes -= old
 
-    def get(self, completion_id: str) -> tuple[list[dict[str, Any]], str] | None:
-        found = self._items.get(completion_id)
+    def get(self, session_id: str, completion_id: str) -> tuple[list[dict[str, Any]], str] | None:
+        found = self._items.get((session_id, completion_id))
         return None if found is None else (found[0], found[1])
 
 
@@ -248,7 +251,7 @@ class SftStore:
                 self.rows_skipped_for_role[row_id] = trace.role
                 continue
             completion_id = _last_completion_id(trace)
-            found = self._conversations.get(completion_id) if completion_id else None
+            found = self._conversations.get(trajectory.session_id, completion_id) if completion_id else None
             if found is None:
                 self.rows_without_messages[row_id] = trajectory.session_id
                 continue

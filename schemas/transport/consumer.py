@@ -16,7 +16,6 @@ where decoding every record would cost more than it tells.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 import warnings
@@ -29,7 +28,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord
 from aiokafka.errors import KafkaError
 
 from schemas.codec import EventDecodeError, decode_event
-from schemas.dead_letter import DeadLetter
+from schemas.dead_letter import dead_letter_of
 from schemas.envelope import Event
 from schemas.topics import Topic, TopicSpec
 from schemas.transport.errors import ClientClosedError, TransportError
@@ -80,6 +79,13 @@ def topic_spec(settings: KafkaSettings, name: str, like: Topic) -> TopicSpec:
         return registry.by_name(name)
     except (KeyError, ValueError):
         return replace(registry.spec(like), name=name)
+
+
+def _expected_key(event: Event) -> bytes | None:
+    try:
+        return event.key()
+    except ValueError:  # no key value: such an event is never written keyed
+        return None
 
 
 class _SeenIds:
@@ -382,7 +388,15 @@ class EventConsumer:
         except EventDecodeError as exc:
             await self.dead_letter(record, exc.error_type, exc.reason)
             return None
-        if not self._seen.add(event.event_id):
+        if record.key != _expected_key(event):
+            # A record filed under one session (or task) that names another: taking it would let one
+            # session's writer act on the other's data.
+            await self.dead_letter(record, "key_mismatch", f"record key {record.key!r} but the event's "
+                                   f"{event.key_field} is {getattr(event, event.key_field)!r}")
+            return None
+        # Duplicates by key and id: an event id is the writer's to choose, and one session's must never
+        # hide another's record.
+        if not self._seen.add(f"{(record.key or b'').hex()}:{event.event_id}"):
             self.duplicates_skipped += 1
             return None
         return Received(event, record.topic, record.partition, record.offset, record.key, record.timestamp_ms)
@@ -396,21 +410,9 @@ class EventConsumer:
                            error_type, reason)
             self.skipped += 1
             return
-        value = record.value or b""
-        # Base64 grows the payload by a third: keep at most half the size limit so the letter always fits.
-        keep = self.settings.max_message_bytes // 2
-        letter = DeadLetter(
-            source_topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            original_key=base64.b64encode(record.key).decode("ascii") if record.key is not None else None,
-            consumer_group=self.group_id,
-            error_type=error_type,
-            reason=reason[:4000],
-            payload=base64.b64encode(value[:keep]).decode("ascii"),
-            payload_bytes=len(value),
-            payload_truncated=len(value) > keep,
-            headers={k: base64.b64encode(v or b"").decode("ascii") for k, v in (record.headers or ())},
-        )
+        letter = dead_letter_of(topic=record.topic, partition=record.partition, offset=record.offset,
+                                key=record.key, value=record.value, headers=record.headers or (),
+                                group=self.group_id, error_type=error_type, reason=reason,
+                                max_message_bytes=self.settings.max_message_bytes)
         await self._dead_letter_producer.send(letter)
         self.dead_lettered += 1
