@@ -174,7 +174,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
 def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help=(
                 "JSON Lines, one TaskRequest a line; with --format swebench, SWE-bench / SWE-Gym instances.")),
             harness: str = typer.Option(None, help="Run every task with this harness (codex, claude-code, "
-                                                   "qwen-code, pi, command)."),
+                                                   "qwen-code, pi, gemini-cli, opencode, command)."),
             file_format: str = typer.Option("tasks", "--format", help=(
                 "'tasks' (TaskRequest JSON Lines) or 'swebench' (instances, each run in its image and graded "
                 "by the swebench evaluator in a fresh container).")),

@@ -45,11 +45,6 @@ HARNESSES: dict[str, HarnessPackage] = {
     "pi": HarnessPackage("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi"),
     "codex": HarnessPackage("codex", "@openai/codex", "0.169.0", "codex"),
     "claude-code": HarnessPackage("claude-code", "@anthropic-ai/claude-code", "2.1.330", "claude"),
-}
-
-# CLIs the tests drive against the proxy on their own API that have no rollout adapter (so the gateway's
-# images do not carry them); ``ensure_harness`` installs them the same way.
-CHECKED_CLIS: dict[str, HarnessPackage] = {
     "gemini-cli": HarnessPackage("gemini-cli", "@google/gemini-cli", "0.61.0", "gemini"),
     "opencode": HarnessPackage("opencode", "opencode-ai", "1.18.33", "opencode"),
 }
@@ -69,9 +64,9 @@ def ensure_harness(name: str, cache: Path | None = None, timeout_s: float = 900,
     ``progress`` receives the install's progress lines (default: stderr); nothing is reported when the
     CLI is already installed.
     """
-    spec = HARNESSES.get(name) or CHECKED_CLIS.get(name)
+    spec = HARNESSES.get(name)
     if spec is None:
-        raise HarnessInstallError(f"unknown harness {name!r}; known: {sorted(HARNESSES | CHECKED_CLIS)}")
+        raise HarnessInstallError(f"unknown harness {name!r}; known: {sorted(HARNESSES)}")
     prefix = (cache or harness_cache()) / f"{spec.name}-{spec.version}"
     binary = prefix / "node_modules" / ".bin" / spec.binary
     marker = prefix / ".rollwire-installed"

@@ -15,7 +15,7 @@ from schemas.envelope import Event, Model, new_event_id
 from schemas.topics import Topic
 
 BuilderName = Literal["per_request", "prefix_merging"]
-HarnessName = Literal["codex", "claude-code", "qwen-code", "pi", "command"]
+HarnessName = Literal["codex", "claude-code", "qwen-code", "pi", "gemini-cli", "opencode", "command"]
 NetworkMode = Literal["relay", "host", "none"]
 
 _MEMORY = re.compile(r"^([0-9]+)([bkmg]?)$", re.IGNORECASE)

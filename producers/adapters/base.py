@@ -40,6 +40,9 @@ class HarnessInvocation:
     argv: list[str]
     env: dict[str, str]
     home_files: dict[str, str] = field(default_factory=dict)
+    stdin: str | None = None
+    """Text for the harness's standard input (None: none; a CLI that reads its input when stdin is not a
+    terminal gets an empty one)."""
 
 
 class AdapterError(ValueError):

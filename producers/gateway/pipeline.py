@@ -276,7 +276,7 @@ class Pipeline:
             return
         session.harness_started = True
         try:
-            result = await session.handle.run(invocation.argv, env=invocation.env,
+            result = await session.handle.run(invocation.argv, env=invocation.env, stdin=invocation.stdin,
                                               timeout_s=max(session.remaining_s(), 0.001))
         except (OSError, ValueError) as exc:
             outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"harness could not start: {exc}")

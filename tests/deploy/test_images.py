@@ -81,10 +81,11 @@ def test_harness_image_runs_the_pinned_clis_at_the_harness_cache_path(client: An
     assert labels[LABEL_HARNESS_CACHE] == str(cache)
     assert labels[LABEL_HARNESS_PINS] == ",".join(f"{h.name}={h.version}" for h in
                                                  sorted(HARNESSES.values(), key=lambda h: h.name))
-    for name in ("qwen-code", "pi"):
+    # Node scripts through the image's node; opencode is a native (Bun-compiled) binary.
+    for name, runner in (("qwen-code", "node "), ("pi", "node "), ("gemini-cli", "node "), ("opencode", "")):
         spec = HARNESSES[name]
         binary = cache / f"{spec.name}-{spec.version}" / "node_modules" / ".bin" / spec.binary
-        out = _run(client, HARNESS_IMAGE, f"node {binary} --version")
+        out = _run(client, HARNESS_IMAGE, f"{runner}{binary} --version")
         assert out.strip().splitlines()[-1] == spec.version, out
 
 

@@ -1,4 +1,4 @@
-"""Google's Gemini CLI (``@google/gemini-cli``, pinned in ``producers.harness_install.CHECKED_CLIS``) run
+"""Google's Gemini CLI (``@google/gemini-cli``, pinned in ``producers.harness_install.HARNESSES``) run
 headless (``gemini -p ... --yolo -o json``) against the proxy's Gemini API, in front of the stand-in engine.
 
 What the CLI sends, as recorded from 0.61.0: ``POST {base}/v1beta/models/{model}:streamGenerateContent?alt=sse``

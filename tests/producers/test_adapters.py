@@ -1,5 +1,5 @@
-"""Harness adapters: each of the four real CLIs, configured only by its adapter's invocation (HOME files,
-environment, command line) and run through the local runtime, finishes a text-only session against a
+"""Harness adapters: each of the six real CLIs, configured only by its adapter's invocation (HOME files,
+environment, command line, stdin) and run through the local runtime, finishes a text-only session against a
 proxy over the stand-in engine, and the proxy records its calls with the task's instruction intact
 (quotes, a newline, and a leading dash that a CLI could mistake for an option). The generic ``command``
 adapter runs a small Python client whose instruction arrives as one argument. Bad settings and
@@ -43,7 +43,7 @@ ANSWER = "Hello from rollwire."
 TEXT_ONLY = {"engine": {"max_tokens": 64, "seed": 3,
                         "turns": [{"structured_outputs": {"regex": literal_regex(ANSWER)}}]}}
 CLI_APIS = {"codex": "openai.responses", "claude-code": "anthropic.messages", "qwen-code": "openai.chat",
-            "pi": "openai.chat"}
+            "pi": "openai.chat", "gemini-cli": "gemini", "opencode": "openai.chat"}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ async def run_adapter(proxy: ProxyUnderTest, runtime: LocalRuntime, harness: str
     ctx = context(session, handle, instruction=instruction, settings=settings, command=command)
     invocation = adapter_for(harness).invocation(ctx)
     await handle.write_home_files(invocation.home_files)
-    result = await handle.run(invocation.argv, env=invocation.env, timeout_s=300)
+    result = await handle.run(invocation.argv, env=invocation.env, stdin=invocation.stdin, timeout_s=300)
     events = await session_completions(proxy, session["session_id"])
     return result, events, handle, ctx
 
@@ -107,7 +107,8 @@ async def test_cli_adapter_runs_a_session_through_the_local_runtime(proxy: Proxy
         assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert len(events) >= 1
         assert [(e.status, e.api) for e in events] == [("ok", CLI_APIS[harness])] * len(events)
-        said = [text_of(m) for m in events[0].request.messages if m.role == "user"]
+        # As written in the agent's own call (opencode asks for a title first, the instruction quoted in it).
+        said = [text_of(m) for e in events for m in e.request.messages if m.role == "user"]
         assert any(INSTRUCTION in text for text in said), said
         # Harness config went to the session's HOME, not into the workspace or its patch.
         assert await handle.patch() == ""
@@ -121,6 +122,17 @@ async def test_pi_adapter_speaks_gemini_when_asked(proxy: ProxyUnderTest, runtim
     try:
         assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert len(events) >= 1 and [(e.status, e.api) for e in events] == [("ok", "gemini")] * len(events)
+    finally:
+        await handle.teardown()
+
+
+async def test_opencode_adapter_speaks_responses_when_asked(proxy: ProxyUnderTest, runtime: LocalRuntime) -> None:
+    result, events, handle, _ = await run_adapter(proxy, runtime, "opencode", settings={"api": "responses"})
+    try:
+        assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert len(events) >= 2 and [(e.status, e.api) for e in events] == [("ok", "openai.responses")] * len(events)
+        # The instruction came on stdin: the agent's call has it exactly as the task wrote it.
+        assert INSTRUCTION in [text_of(m) for m in events[-1].request.messages if m.role == "user"]
     finally:
         await handle.teardown()
 
@@ -227,6 +239,35 @@ def test_pi_settings_are_checked() -> None:
     assert provider["models"][0]["id"] == MODEL and provider["models"][0]["reasoning"] is True
 
 
+def test_opencode_config_points_at_the_session_and_stays_home() -> None:
+    opencode = adapter_for("opencode")
+    with pytest.raises(AdapterError, match="'chat' or 'responses'"):
+        opencode.invocation(fake_context(settings={"api": "gemini"}))
+    invocation = opencode.invocation(fake_context(model="org/odd model", settings={"api": "responses"}))
+    config = json.loads(invocation.home_files[".config/opencode/opencode.json"])
+    assert config["model"] == config["small_model"] == "rollwire/org/odd model"
+    provider = config["provider"]["rollwire"]
+    assert provider["npm"] == "@ai-sdk/openai" and list(provider["models"]) == ["org/odd model"]
+    assert provider["options"] == {"baseURL": "http://127.0.0.1:9/s/s1/v1", "apiKey": "key-123456"}
+    assert config["autoupdate"] is False and config["share"] == "disabled"
+    # Every XDG directory (config, data, cache, state) is in the session's HOME; the instruction on stdin.
+    assert {invocation.env[f"XDG_{d}_HOME"] for d in ("CONFIG", "DATA", "CACHE", "STATE")} == {
+        "/sessions/s1/home/.config", "/sessions/s1/home/.local/share", "/sessions/s1/home/.cache",
+        "/sessions/s1/home/.local/state"}
+    assert invocation.stdin == "fix it" and "fix it" not in invocation.argv
+
+
+def test_gemini_cli_pins_the_model_and_stays_home() -> None:
+    invocation = adapter_for("gemini-cli").invocation(fake_context(instruction="--help me"))
+    assert invocation.env["GOOGLE_GEMINI_BASE_URL"] == "http://127.0.0.1:9/s/s1"
+    assert invocation.env["GEMINI_API_KEY"] == "key-123456"
+    argv = invocation.argv
+    assert argv[argv.index("-m") + 1] == MODEL and argv[-1] == "--prompt=--help me"
+    settings = json.loads(invocation.home_files[".gemini/settings.json"])
+    assert settings["security"]["auth"]["selectedType"] == "gemini-api-key"
+    assert settings["telemetry"]["enabled"] is False and settings["privacy"]["usageStatisticsEnabled"] is False
+
+
 def test_codex_config_points_at_the_session_and_stays_home() -> None:
     invocation = adapter_for("codex").invocation(fake_context(model='odd "model"'))
     config = tomllib.loads(invocation.home_files[".codex/config.toml"])
@@ -246,7 +287,7 @@ def test_claude_code_pins_every_model_slot() -> None:
 
 
 def test_registry() -> None:
-    assert set(ADAPTERS) == {"codex", "claude-code", "qwen-code", "pi", "command"}
+    assert set(ADAPTERS) == {"codex", "claude-code", "qwen-code", "pi", "gemini-cli", "opencode", "command"}
     assert all(adapter_for(name).name == name for name in ADAPTERS)
     assert adapter_for("command").executable() is None
     with pytest.raises(AdapterError, match="unknown harness"):
