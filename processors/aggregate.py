@@ -398,7 +398,11 @@ class SessionAggregator:
         try:
             doc = orjson.loads(record.value or b"")
             kind, session_id = doc["kind"], doc["session_id"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+        except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
+            kind = session_id = None
+        if not isinstance(kind, str) or not isinstance(session_id, str):
+            # The control topic is the worker's own, but anything with access can write to it: a record of
+            # another shape (a number for a session id) is ignored, never the end of the agent.
             logger.warning("ignoring malformed control record at %s/%d", record.partition, record.offset)
             return
         if kind == "recheck":  # the broker's ends were asked for this partition (ask_wanted_ends)

@@ -566,3 +566,20 @@ async def test_the_timer_forgets_recorded_trajectories_only_between_records() ->
     aggregator.flush(lambda partition: True)
     assert "r3" not in aggregator.in_flight and b"r3" not in tables.open
     assert tables.built[b"r3"] == kafka.trajectories[0].event_id.encode()
+
+
+async def test_malformed_control_records_are_ignored_and_the_session_still_builds() -> None:
+    """The control topic takes records from anyone who can write to it: none of these shapes may stop the
+    agent (a session id that is a number raised inside it), and the session is built all the same."""
+    plan = linear_session("c1", turns=2, seed=35)
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka)
+    records = _records(plan, kafka)
+    for record in records[:-1]:
+        await aggregator.handle(record)
+    for i, value in enumerate([b'{"kind": "finalize", "session_id": 5}', b'{"kind": ["x"], "session_id": "c1"}',
+                               b'[1, 2]', b'"finalize"', b'{"kind": "finalize"}', b"\xff", b"", None]):
+        await aggregator.handle(Rec(CONTROL, 1, 100 + i, value, b"c1"))
+    assert kafka.trajectories == []
+    await aggregator.handle(records[-1])  # the end: built
+    assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan))]
