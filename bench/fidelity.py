@@ -1,7 +1,7 @@
 """Token fidelity of the real CLIs on the real engine: exact-token continuation versus full re-rendering.
 
-The four real harness CLIs (``codex``, ``claude-code``, ``qwen-code``, ``pi``; pinned, installed from npm on
-first use) run the example task (``examples/tasks.jsonl``: its repository and instruction, tasks taken in
+The six real harness CLIs (``codex``, ``claude-code``, ``qwen-code``, ``pi``, ``gemini-cli``, ``opencode``;
+pinned, installed from npm on first use) run the example task (``examples/tasks.jsonl``: its repository and instruction, tasks taken in
 turn by sample index) against the engine at ``--engine-url`` (default ``ROLLWIRE_ENGINE_URL``, else
 ``http://127.0.0.1:18000``), *unforced*: the model samples freely (``temperature 1``, no seed, ``--max-tokens``
 per reply), in both of a session's continuation modes:
@@ -21,8 +21,8 @@ Per harness and mode it prints: sessions (by status), calls (failed ones apart),
 session, exact calls, drift kinds over the exact-mode calls (how often a full re-render of the history
 would have differed from the exact prompt, and why), branches opened and why (``continuation.opened``),
 branch and trace roles. Exact-mode calls that opened a branch for another reason than being the
-session's first call, and failed calls, are listed with their continuation block; the proxy's log goes to
-``--proxy-log``.
+session's first call or the agent's first (after side calls such as opencode's title), and failed calls,
+are listed with their continuation block; the proxy's log goes to ``--proxy-log``.
 
 Re-scoring (``--rescore``, on by default): every exact-mode trace of at most ``--rescore-max-tokens``
 tokens is scored again by the engine (``/v1/completions`` with the trace's ids as the prompt,
@@ -80,7 +80,7 @@ from schemas.topics import Topic
 from schemas.trajectories import Trace, Trajectory
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings, delete_topics, ensure_topics
 
-HARNESSES: tuple[str, ...] = ("codex", "claude-code", "qwen-code", "pi")
+HARNESSES: tuple[str, ...] = ("codex", "claude-code", "qwen-code", "pi", "gemini-cli", "opencode")
 MODES: tuple[str, ...] = ("exact", "rendered")
 AGENT_ROLES: frozenset[str] = frozenset({"main", "sub_agent"})
 TOLERANCE = 1e-3
@@ -362,15 +362,25 @@ def _ratio(numerator: float, denominator: float) -> str:
     return f"{numerator / denominator:.2f}" if denominator else "nan"
 
 
+def _agent_sequences(result: SessionResult) -> set[int] | None:
+    """The sequences of the session's calls in traces of role main or sub_agent (None: not built). The
+    traces' roles, not the calls': a tool-less call made before the agent's first one (opencode's title
+    call) was recorded as ``main`` and is settled as a side trace by the builder."""
+    if result.trajectory is None:
+        return None
+    return {s for t in result.trajectory.traces if t.role in AGENT_ROLES for s in t.sequences}
+
+
 def _agent_branches(results: Iterable[SessionResult]) -> tuple[int, int]:
-    """(agent traces, distinct agent branches): traces and ``continuation.branch`` values of role main or
-    sub_agent, per session."""
+    """(agent traces, distinct agent branches): traces of role main or sub_agent, and the
+    ``continuation.branch`` values of their calls, per session."""
     traces = branches = 0
     for result in results:
+        agent = _agent_sequences(result)
         if result.trajectory is not None:
             traces += sum(t.role in AGENT_ROLES for t in result.trajectory.traces)
-        branches += len({c.continuation.branch for c in result.usable()
-                         if c.continuation is not None and c.continuation.role in AGENT_ROLES})
+        branches += len({c.continuation.branch for c in result.usable() if c.continuation is not None and (
+            c.sequence in agent if agent is not None else c.continuation.role in AGENT_ROLES)})
     return traces, branches
 
 
@@ -438,10 +448,14 @@ def _print_suspects(results: Sequence[SessionResult], warnings: Sequence[str]) -
     for result in results:
         if result.sample.mode != "exact":
             continue
+        agent = _agent_sequences(result)
+        # The agent's first call opens its line whatever came before it (side calls: a title, a router).
+        first_agent_call = min(agent) if agent else None
         for call in sorted(result.completions, key=lambda c: c.sequence):
             continuation = call.continuation
             suspect = call.status != "ok" or (continuation is not None and continuation.mode != "exact"
-                                              and continuation.opened not in (None, "first_call"))
+                                              and continuation.opened not in (None, "first_call")
+                                              and call.sequence != first_agent_call)
             if not suspect:
                 continue
             shown += 1

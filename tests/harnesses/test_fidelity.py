@@ -1,4 +1,4 @@
-"""The four real CLIs, unforced, on the real vLLM CPU build, in ``exact`` and in ``rendered`` mode (what
+"""The six real CLIs, unforced, on the real vLLM CPU build, in ``exact`` and in ``rendered`` mode (what
 ``bench.fidelity`` measures, once per harness and mode): in exact mode every continued call's prompt extends
 its parent's prompt + sampled ids, and each session builds exactly one trace per agent branch."""
 
@@ -39,9 +39,12 @@ async def test_real_clis_continue_exactly_and_build_one_row_per_branch(kafka_boo
         continued += sum(1 for c in usable if c.continuation.mode == "exact")
         trajectory = result.trajectory
         assert trajectory is not None
+        # One row per agent branch: the traces of role main or sub_agent and the branches of their calls (the
+        # traces' roles: opencode's title call, recorded as main before the agent's first call, is a side trace).
         agent = [t for t in trajectory.traces if t.role in ("main", "sub_agent")]
-        branches = {c.continuation.branch for c in usable if c.continuation.role in ("main", "sub_agent")}
-        assert len(agent) == len(branches), (name, len(agent), branches, trajectory.stats.problems)
+        in_agent = {s for t in agent for s in t.sequences}
+        branches = {c.continuation.branch for c in usable if c.sequence in in_agent}
+        assert agent and len(agent) == len(branches), (name, len(agent), branches, trajectory.stats.problems)
     # Claude Code and Qwen Code go on after a cut reply: their later calls are exact continuations.
     assert continued > 0
     if os.environ.get("ROLLWIRE_VERBOSE_FIDELITY"):
