@@ -124,14 +124,19 @@ def deadline(session: OpenSession, spec: SpecFacts | None, *, idle_s: float, gra
              active_since: float) -> float:
     """When an unended session is built as partial (worker clock).
 
-    The earlier of: ``idle_s`` after its last event, and the spec's ``timeout_s`` (plus ``grace_s``, for
-    the gateway's own timeout event to arrive) after the session was first seen. Never earlier than
-    ``grace_s`` after this worker became active, so that after a restart the log is replayed before
-    anything is declared abandoned (the stored times are from before the crash).
+    A session with a spec: its ``timeout_s`` (plus ``grace_s``, for the gateway's own timeout event to
+    arrive) after it was first seen, however long it was quiet meanwhile. A harness may well make no call
+    for longer than ``idle_s`` (a test suite or a build that runs for a quarter of an hour), and a session
+    built at its idle deadline lost every call made after it (late, and dropped); the spec's timeout is
+    what the gateway enforces, and it ends every session it runs by then. A session with no spec (its
+    calls' ids alone): ``idle_s`` after its last event. Never earlier than ``grace_s`` after this worker
+    became active, so that after a restart the log is replayed before anything is declared abandoned (the
+    stored times are from before the crash).
     """
-    due = session.last_seen + idle_s
     if spec is not None:
-        due = min(due, min(spec.seen_at, session.first_seen) + spec.timeout_s + grace_s)
+        due = min(spec.seen_at, session.first_seen) + spec.timeout_s + grace_s
+    else:
+        due = session.last_seen + idle_s
     return max(due, active_since + grace_s)
 
 

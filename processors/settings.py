@@ -26,7 +26,8 @@ class ProcessorSettings(BaseSettings):
     topic prefix is added in front, so two deployments on one cluster never share state).
     ``STORE`` (``rocksdb``): table store, ``rocksdb`` (rocksdict) or ``memory`` (state rebuilt from the
     changelogs at every start). ``DATA_DIR``: where RocksDB keeps the tables.
-    ``IDLE_S`` (600): a session with no event for this long is built as partial.
+    ``IDLE_S`` (600): a session with no spec and no event for this long is built as partial (one with a
+    spec: at its ``timeout_s`` plus ``GRACE_S``).
     ``GRACE_S`` (30): added to a spec's ``timeout_s`` before the session is built as partial, and the
     least time after a (re)start before any deadline fires (so a replay can catch up first).
     ``CACHE_MB`` (512): memory for completion payloads of open sessions; beyond it (and after a restart)

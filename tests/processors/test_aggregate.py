@@ -583,3 +583,39 @@ async def test_malformed_control_records_are_ignored_and_the_session_still_build
     assert kafka.trajectories == []
     await aggregator.handle(records[-1])  # the end: built
     assert [_traces(t) for t in kafka.trajectories] == [_traces(expected(plan))]
+
+
+async def test_a_quiet_session_with_a_spec_waits_for_its_timeout_not_the_idle_deadline() -> None:
+    """A harness quiet for longer than idle_s (a quarter-hour test run) keeps its session open until the
+    spec's timeout plus the grace: built at the idle deadline, every call it made afterwards was dropped
+    as late. A session with no spec is still built once idle for idle_s."""
+    clock = [1000.0]
+    kafka, tables = FakeKafka(), _tables()
+    aggregator = _aggregator(tables, kafka, clock=lambda: clock[0])
+    aggregator.progress.active_since = 0.0
+    sent: list[dict] = []
+
+    async def send_control(session_id: str, partition: int, record: dict) -> None:
+        sent.append(record)
+
+    aggregator.out.send_control = send_control
+    with_spec = linear_session("quiet", turns=3, seed=41, ended=False)  # spec timeout_s 1800, idle_s 600
+    records = _records(with_spec, kafka)
+    no_spec = _records(linear_session("bare", turns=1, seed=42, ended=False), kafka, 100)[1:]  # its call, no spec
+    for record in [*records[:2], *no_spec]:  # the spec and the first call; the bare session's call
+        await aggregator.handle(record)
+    clock[0] += 900  # quiet for 15 minutes: past idle_s, within the spec's timeout
+    await aggregator.tick({1})
+    assert sent == [{"kind": "deadline", "session_id": "bare"}]
+    await aggregator.handle(Rec(CONTROL, 1, 199, b'{"kind": "deadline", "session_id": "bare"}', b"bare"))
+    assert [t.partial for t in kafka.trajectories if t.session_id == "bare"] == [True]
+    aggregator.trajectory_recorded("bare", 1, kafka.trajectories[0].event_id)
+    for record in records[2:]:  # the calls after the quiet spell are the session's, not late
+        await aggregator.handle(record)
+    assert aggregator.counters["late"] == 0
+    clock[0] += 1800 + 30 - 900 + 1  # past first seen + timeout_s + grace_s
+    await aggregator.tick({1})
+    assert sent[1:] == [{"kind": "deadline", "session_id": "quiet"}]
+    await aggregator.handle(Rec(CONTROL, 1, 200, b'{"kind": "deadline", "session_id": "quiet"}', b"quiet"))
+    [trajectory] = [t for t in kafka.trajectories if t.session_id == "quiet"]
+    assert trajectory.partial and [_traces(trajectory)] == [_traces(expected(with_spec))]

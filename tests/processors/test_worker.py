@@ -3,7 +3,7 @@
 Sessions with several completions and an end event must give exactly one Trajectory each, equal to what
 ``build_trajectory`` makes from the same events directly (same event id, same traces); a poison record
 must be dead-lettered while the worker carries on; a session that never ends must be built as partial
-once its idle deadline passes.
+once its deadline (its spec's timeout plus the grace) passes.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ async def test_sessions_become_one_trajectory_each(kafka, tmp_path) -> None:
                             versions=["2", "2", "3"] if i % 2 == 0 else None, straddle=i % 4 == 0)
              for i in range(10)]
     open_plan = linear_session("s-open", turns=3, seed=99, ended=False)
+    # Never ended: built as partial at its spec's timeout plus the grace (its idle time does not count).
+    open_plan.spec = open_plan.spec.model_copy(update={"timeout_s": 4.0})
     worker = WorkerProcess(kafka, tmp_path / "data",
                            extra_env={"ROLLWIRE_PROCESSORS_IDLE_S": "4", "ROLLWIRE_PROCESSORS_GRACE_S": "1"})
     worker.start()
