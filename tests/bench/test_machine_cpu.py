@@ -31,7 +31,9 @@ def test_a_busy_process_and_its_children_are_counted_and_the_machine_holds_them(
         deadline = time.monotonic() + 10
         while tree_cpu_s(parent.pid) < 0.55 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.05)
+        # Long enough for the child to have ended and been waited for: its CPU still counts in the tree
+        # (through its parent's), as it did not when it ended just before the sample.
+        time.sleep(0.3)
         use = meter.since(before)
     finally:
         parent.wait(10)
