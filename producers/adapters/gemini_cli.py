@@ -1,7 +1,7 @@
 """Google's Gemini CLI (``@google/gemini-cli``): the Gemini API, ``$HOME/.gemini/settings.json`` plus env.
 
 settings.json chooses API-key auth (no interactive auth dialog) and turns off auto-update, usage
-statistics, telemetry and the folder-trust prompt. ``GOOGLE_GEMINI_BASE_URL`` is the session's root (the
+statistics, telemetry, the folder-trust prompt and loop detection. ``GOOGLE_GEMINI_BASE_URL`` is the session's root (the
 Google SDK appends ``/v1beta/models/{model}:streamGenerateContent``) and ``GEMINI_API_KEY`` its key, sent
 as ``x-goog-api-key``. The model is pinned with ``-m``, so the CLI makes no router call of its own.
 Headless: ``gemini --yolo -o json --prompt=…``. See ../shared/HARNESSES.md and tests/harnesses/test_gemini_cli.py
@@ -18,12 +18,16 @@ from producers.harness_install import ensure_harness
 
 
 def gemini_settings() -> str:
-    """settings.json: API-key auth, nothing phoning home, no folder-trust prompt."""
+    """settings.json: API-key auth, nothing phoning home, no folder-trust prompt, no loop detection."""
     return json.dumps({
         "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
         "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False},
+        # Its loop detector cuts the model's reply mid-stream (a hang-up: the call is not trainable) and
+        # injects "Potential loop detected" as a user turn; a looping policy is what RL must see, and the
+        # session's timeout bounds it. Qwen Code, its fork, ships with these heuristics off.
+        "model": {"disableLoopDetection": True},
     }, indent=2)
 
 

@@ -23,7 +23,9 @@ def qwen_settings(model: str) -> str:
         "telemetry": {"enabled": False},
         "general": {"enableAutoUpdate": False},
         "memory": {"enableManagedAutoMemory": False},
-        "model": {"name": model},
+        # Its loop heuristics (off by default in 0.24) would cut a reply mid-stream; stated so an upgrade
+        # that turns them on changes nothing.
+        "model": {"name": model, "skipLoopDetection": True},
     }, indent=2)
 
 

@@ -40,8 +40,6 @@ INSTRUCTION = '- Say hello to "rollwire".\nIt\'s a test; do not touch $HOME.'
 # Every turn answers this text and stops (free text would end on max_tokens, which Codex and Claude Code
 # report as an error).
 ANSWER = "Hello from rollwire."
-TEXT_ONLY = {"engine": {"max_tokens": 64, "seed": 3,
-                        "turns": [{"structured_outputs": {"regex": literal_regex(ANSWER)}}]}}
 CLI_APIS = {"codex": "openai.responses", "claude-code": "anthropic.messages", "qwen-code": "openai.chat",
             "pi": "openai.chat", "gemini-cli": "gemini", "opencode": "openai.chat"}
 
@@ -87,9 +85,10 @@ def text_of(message: ChatMessage) -> str:
 
 async def run_adapter(proxy: ProxyUnderTest, runtime: LocalRuntime, harness: str, *,
                       settings: dict[str, Any] | None = None, command: str | None = None,
-                      instruction: str = INSTRUCTION):
+                      instruction: str = INSTRUCTION, answer: str = ANSWER):
     """One session run by ``harness``'s adapter in a fresh local runtime: (result, events, handle, ctx)."""
-    session = proxy.new_session(**TEXT_ONLY)
+    session = proxy.new_session(engine={"max_tokens": max(64, len(answer)), "seed": 3,
+                                        "turns": [{"structured_outputs": {"regex": literal_regex(answer)}}]})
     handle = await runtime.init(session["session_id"], RuntimeSpec(), timeout_s=60)
     ctx = context(session, handle, instruction=instruction, settings=settings, command=command)
     invocation = adapter_for(harness).invocation(ctx)
@@ -112,6 +111,27 @@ async def test_cli_adapter_runs_a_session_through_the_local_runtime(proxy: Proxy
         assert any(INSTRUCTION in text for text in said), said
         # Harness config went to the session's HOME, not into the workspace or its patch.
         assert await handle.patch() == ""
+    finally:
+        await handle.teardown()
+
+
+@pytest.mark.parametrize("harness", ["gemini-cli", "qwen-code"])
+async def test_a_repetitive_reply_is_not_cut_by_the_harness_loop_detector(proxy: ProxyUnderTest,
+                                                                         runtime: LocalRuntime, harness: str) -> None:
+    # Gemini CLI (and Qwen Code, its fork, when its heuristics are on) aborts a stream in which one 50-char
+    # chunk repeats ten times close together, injects a feedback message and asks again: the cut call is
+    # recorded as the client's hang-up, unusable for training, and the next turn is the harness's, not the
+    # task's. A policy that loops is what RL needs to see; the session's timeout bounds it. Lower case and
+    # no punctuation: Gemini's detector resets on a chunk of only [+-_] characters (its "divider" class,
+    # which holds capitals and '.'), and the stand-in streams a forced answer a character at a time.
+    answer = "i will read the file and then fix the bug " * 16
+    result, events, handle, _ = await run_adapter(proxy, runtime, harness, instruction="Fix the bug.", answer=answer)
+    try:
+        assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        # One call, answered whole: no hang-up mid-reply, and no "Potential loop detected" message injected
+        # as a user turn with a second call (what Gemini CLI does on a first detection).
+        assert [e.status for e in events] == ["ok"], [(e.status, e.error) for e in events]
+        assert "Loop detected" not in result.stdout + result.stderr
     finally:
         await handle.teardown()
 
