@@ -33,6 +33,10 @@ def opencode_config(ctx: HarnessContext, harness: str = "opencode") -> str:
     return json.dumps({
         "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
         "model": model, "small_model": model,
+        # Three identical tool calls in one reply make opencode ask for "doom_loop"; ``run`` has no one to
+        # ask, rejects, and ends the session with exit 1. A looping policy is what RL must see; the
+        # session's timeout bounds it.
+        "permission": {"doom_loop": "allow"},
         "provider": {PROVIDER: {"npm": package, "name": PROVIDER,
                                 "options": {"baseURL": base_url(ctx, "openai", harness), "apiKey": ctx.api_key},
                                 "models": {ctx.model: {"name": ctx.model}}}},

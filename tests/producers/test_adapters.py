@@ -28,7 +28,7 @@ from schemas.prompt_chain import resolve_session
 from schemas.tasks import RuntimeSpec
 from schemas.topics import Topic
 from schemas.transport import EventConsumer
-from tests.harnesses.common import fresh_topics, literal_regex, serve_standin_proxy
+from tests.harnesses.common import ToolStep, forced_turn, fresh_topics, literal_regex, serve_standin_proxy
 from tests.proxy.conftest import ProxyUnderTest
 
 pytestmark = pytest.mark.kafka
@@ -85,10 +85,12 @@ def text_of(message: ChatMessage) -> str:
 
 async def run_adapter(proxy: ProxyUnderTest, runtime: LocalRuntime, harness: str, *,
                       settings: dict[str, Any] | None = None, command: str | None = None,
-                      instruction: str = INSTRUCTION, answer: str = ANSWER):
-    """One session run by ``harness``'s adapter in a fresh local runtime: (result, events, handle, ctx)."""
-    session = proxy.new_session(engine={"max_tokens": max(64, len(answer)), "seed": 3,
-                                        "turns": [{"structured_outputs": {"regex": literal_regex(answer)}}]})
+                      instruction: str = INSTRUCTION, answer: str = ANSWER,
+                      turns: list[dict[str, Any]] | None = None):
+    """One session run by ``harness``'s adapter in a fresh local runtime: (result, events, handle, ctx).
+    Every turn answers ``answer``, or the model says what ``turns`` force, turn by turn."""
+    turns = turns or [{"structured_outputs": {"regex": literal_regex(answer)}}]
+    session = proxy.new_session(engine={"max_tokens": max(512, len(answer)), "seed": 3, "turns": turns})
     handle = await runtime.init(session["session_id"], RuntimeSpec(), timeout_s=60)
     ctx = context(session, handle, instruction=instruction, settings=settings, command=command)
     invocation = adapter_for(harness).invocation(ctx)
@@ -132,6 +134,21 @@ async def test_a_repetitive_reply_is_not_cut_by_the_harness_loop_detector(proxy:
         # as a user turn with a second call (what Gemini CLI does on a first detection).
         assert [e.status for e in events] == ["ok"], [(e.status, e.error) for e in events]
         assert "Loop detected" not in result.stdout + result.stderr
+    finally:
+        await handle.teardown()
+
+
+async def test_opencode_runs_a_repeated_tool_call_without_asking(proxy: ProxyUnderTest, runtime: LocalRuntime) -> None:
+    # opencode asks for its "doom_loop" permission when one reply repeats a tool call three times; in a
+    # rollout no one answers, and `opencode run` rejected it and ended the session with exit 1.
+    echo = ToolStep("bash", {"command": "echo again", "description": "Say again."})
+    turns = [forced_turn("\n".join([echo.text()] * 3))] * 2 + [forced_turn(ANSWER)]
+    result, events, handle, _ = await run_adapter(proxy, runtime, "opencode", instruction="Say again.", turns=turns)
+    try:
+        assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert [e.status for e in events] == ["ok"] * len(events)
+        ran = [json.loads(line)["part"] for line in result.stdout.splitlines() if '"tool_use"' in line]
+        assert [(p["tool"], p["state"]["status"]) for p in ran] == [("bash", "completed")] * 6, ran
     finally:
         await handle.teardown()
 
