@@ -136,7 +136,7 @@ async def _parse(provider: ProviderAdapter, raw: bytes, route: Route) -> tuple[A
 
 
 def _provider_for_path(path: str) -> str:
-    if "/v1beta/" in path:
+    if "/v1beta/" in path or "/v1alpha/" in path or ("/v1/models/" in path and ":" in path.rpartition("/")[2]):
         return "gemini"
     if "/v1/messages" in path:
         return "anthropic"
@@ -344,11 +344,15 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")
     async def list_models(request: Request, session_id: str | None = None) -> Response:
+        if catalog.is_gemini(request.headers, request.query_params):
+            return await gemini_models(request, session_id)
         return await shared_path(request, session_id, catalog.listing)
 
     @app.get("/v1/models/{model_id:path}")
     @app.get("/s/{session_id}/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str, session_id: str | None = None) -> Response:
+        if catalog.is_gemini(request.headers, request.query_params):
+            return await gemini_model(request, model_id, session_id)
         return await shared_path(request, session_id, lambda anthropic, _: catalog.lookup(anthropic, model_id))
 
     @app.head("/")
@@ -388,11 +392,17 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         return await describe(request, session_id, gemini.error_body,
                               lambda _, context: catalog.gemini_model(target, context))
 
+    # google-genai (Python) 1.x and later calls v1 by default, the JS SDK and the CLIs v1beta; the method
+    # names and bodies are the same. (OpenAI has no POST under /v1/models, so nothing is shadowed.)
     @app.post("/v1beta/models/{target:path}")
+    @app.post("/v1/models/{target:path}")
+    @app.post("/v1alpha/models/{target:path}")
     async def gemini_by_key(request: Request, target: str) -> Response:
         return await gemini_call(request, None, target)
 
     @app.post("/s/{session_id}/v1beta/models/{target:path}")
+    @app.post("/s/{session_id}/v1/models/{target:path}")
+    @app.post("/s/{session_id}/v1alpha/models/{target:path}")
     async def gemini_by_path(request: Request, session_id: str, target: str) -> Response:
         return await gemini_call(request, session_id, target)
 

@@ -30,6 +30,12 @@ def is_anthropic(headers: Any) -> bool:
     return "anthropic-version" in headers
 
 
+def is_gemini(headers: Any, query: Any) -> bool:
+    """Whether a request on ``/v1/models`` comes from a Gemini client (google-genai calls v1 by default):
+    its key is in ``x-goog-api-key`` or the ``key`` query parameter, never in a bearer token."""
+    return ("x-goog-api-key" in headers or "key" in query) and "authorization" not in headers
+
+
 def openai_model(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": STARTED, "owned_by": OWNER}
 
