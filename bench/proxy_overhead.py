@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 
+import aiohttp
 import httpx
 import orjson
 
@@ -66,22 +67,22 @@ def _wait_http(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> float:
+async def _one(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> float:
     start = time.perf_counter()
     try:
         return await _timed_stream(client, url, body, headers, start)
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise RuntimeError(f"{url}: {exc!r}") from exc
 
 
-async def _timed_stream(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
+async def _timed_stream(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
                         start: float) -> float:
-    async with client.stream("POST", url, content=body, headers=headers) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code} {(await response.aread())[:300]!r}")
+    async with client.post(url, data=body, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status} {(await response.read())[:300]!r}")
         done = False
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
+        async for line in response.content:
+            if line.rstrip(b"\r\n") == b"data: [DONE]":
                 done = True
         if not done:
             raise RuntimeError(f"{url}: stream ended without [DONE]")
@@ -89,7 +90,7 @@ async def _timed_stream(client: httpx.AsyncClient, url: str, body: bytes, header
 
 
 async def _round(targets: list[tuple[str, dict[str, str]]], bodies: list[bytes], per_client: int,
-                 client: httpx.AsyncClient) -> tuple[list[float], float]:
+                 client: aiohttp.ClientSession) -> tuple[list[float], float]:
     latencies: list[float] = []
 
     async def worker(i: int) -> None:
@@ -176,12 +177,16 @@ async def run(args: argparse.Namespace) -> None:
                     print(f"# peer {name} skipped: {exc}", flush=True)
         direct_url = f"http://127.0.0.1:{standin_port}/v1/chat/completions"
         print(f"# direct: {direct_url}; rollwire: http://127.0.0.1:{proxy_port}", flush=True)
-        # Below uvicorn's 5 s keep-alive, so that no request goes out on a connection the server closed.
-        limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2,
-                              keepalive_expiry=2.0)
+        # The measured streams go through aiohttp's client (a third of httpx's CPU per chunk): the load
+        # generator shares this machine's cores with every path it measures, and what it spends is taken
+        # from them. Keep-alive below uvicorn's 5 s, so that no request goes out on a connection the
+        # server closed. Set-up and /metrics use httpx.
+        connector = aiohttp.TCPConnector(limit=args.concurrency * 2, keepalive_timeout=2.0)
         # Encoded once up front: the client's own work should not depend on the path measured.
         bodies = [orjson.dumps(b) for b in harness_requests(args.concurrency)]
-        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=300) as client, \
+                aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300),
+                                      auto_decompress=False) as streams:
             json_type = {"content-type": "application/json"}
 
             async def session_targets(port: int) -> list[tuple[str, dict[str, str]]]:
@@ -206,7 +211,7 @@ async def run(args: argparse.Namespace) -> None:
                 paths[peer.name] = [(peer.chat_url, peer.headers) for _ in sessions]
             # Warm every path (connections, caches, producer metadata).
             for targets in paths.values():
-                await _round(targets, bodies, 1, client)
+                await _round(targets, bodies, 1, streams)
             metrics_before = (await client.get(f"http://127.0.0.1:{proxy_port}/metrics")).text
             results: dict[str, list[float]] = {name: [] for name in paths}
             elapsed = {name: 0.0 for name in paths}
@@ -222,7 +227,7 @@ async def run(args: argparse.Namespace) -> None:
                     process = cpu_of.get(name)
                     cpu = process_cpu_s(process.pid) if process is not None else 0.0
                     sample = meter.sample()
-                    latencies, seconds = await _round(targets, bodies, args.requests_per_client, client)
+                    latencies, seconds = await _round(targets, bodies, args.requests_per_client, streams)
                     use = meter.since(sample)
                     for i, value in enumerate((use.wall_s, use.machine_s, use.named_s["client"],
                                                use.named_s["standin"], use.named_s["broker"])):

@@ -277,7 +277,15 @@ class Standin:
         # Like vLLM's incremental detokenizer: a character split across tokens is held back until whole
         # (its first tokens carry empty text), never sent as pieces that decode to nothing or to U+FFFD.
         text_of = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Token n leaves at ``paced_from + n * interval``: an engine samples at its own pace (its GPU's decode
+        # steps), so a wake-up this process was late for (its loop busy, or the cores taken by whoever shares
+        # this machine) is caught up on, not added to every later token.
+        paced_from = asyncio.get_running_loop().time()
         for n, piece in enumerate(pieces):
+            if self.config.token_interval_ms and n:
+                due = paced_from + n * self.config.token_interval_ms / 1000 - asyncio.get_running_loop().time()
+                if due > 0:
+                    await asyncio.sleep(due)
             if n == len(pieces) // 2:
                 if fail == "cut":
                     raise ConnectionError("stand-in cut the stream")
@@ -300,8 +308,6 @@ class Standin:
                 raw = bytes(t for t in piece if 0 <= t < 256)
                 delta = {"content": text_of.decode(raw, final=n == len(pieces) - 1)}
             yield chunk(template, delta=delta, token_ids=piece, logprobs=lps, finish_reason=finish if last else None)
-            if self.config.token_interval_ms:
-                await asyncio.sleep(self.config.token_interval_ms / 1000)
         if fail == "no_finish":
             return  # the body ends cleanly: no finish chunk, no usage, no [DONE]
         usage = {**self.usage_chunk, "usage": {**self.usage_chunk["usage"], "prompt_tokens": len(prompt_ids),
