@@ -90,6 +90,7 @@ from bench.standin_text import (
     reply_text,
     tokenize,
     tool_calls,
+    top_alternatives,
 )
 from bench.standin_tokens import TokenEndpoints
 
@@ -241,7 +242,8 @@ class Standin:
             choice["message"]["content"] = text
         choice["finish_reason"] = None if fail == "no_finish" else finish
         choice["token_ids"] = ids
-        choice["logprobs"] = {"content": [self._logprob_entry(t, i) for i, t in enumerate(ids)]}
+        top = int(body.get("top_logprobs") or 0)
+        choice["logprobs"] = {"content": [self._logprob_entry(t, i, top) for i, t in enumerate(ids)]}
         response["usage"].update(prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
                                  total_tokens=len(prompt_ids) + len(ids))
         if fail == "no_token_ids":
@@ -249,10 +251,17 @@ class Standin:
             choice.pop("token_ids", None)
         return JSONResponse(response)
 
-    def _logprob_entry(self, token: int, position: int) -> dict[str, Any]:
+    @staticmethod
+    def _token_logprob(token: int, position: int) -> dict[str, Any]:
         raw = [token] if 0 <= token < 256 else []  # forced real-vocabulary ids have no byte here
         return {"token": bytes(raw).decode("utf-8", errors="replace"), "logprob": logprob(token, position),
-                "bytes": raw, "top_logprobs": []}
+                "bytes": raw}
+
+    def _logprob_entry(self, token: int, position: int, top: int = 0) -> dict[str, Any]:
+        """vLLM's entry for a sampled token; with ``top`` (the request's ``top_logprobs``), that many
+        alternatives, most likely first (the sampled token among them, as vLLM lists it when it is)."""
+        alternatives = [self._token_logprob(t, position) for t in top_alternatives(token, position, top)]
+        return {**self._token_logprob(token, position), "top_logprobs": alternatives}
 
     async def _stream(self, body: dict[str, Any], prompt_ids: list[int], ids: list[int], text: str,
                       calls: list[dict[str, Any]], finish: str, fail: str | None) -> AsyncIterator[bytes]:
@@ -267,6 +276,7 @@ class Standin:
                     out["choices"][0].pop("token_ids", None)
             return b"data: " + orjson.dumps(out) + b"\n\n"
 
+        top = int(body.get("top_logprobs") or 0)
         first = {**self.first_chunk, "prompt_token_ids": prompt_ids}
         if not token_ids:
             first.pop("prompt_token_ids")
@@ -301,7 +311,7 @@ class Standin:
                     yield _GARBAGE
             last = n == len(pieces) - 1 and fail != "no_finish"
             template = self.final_chunk if last else self.middle_chunk
-            lps = {"content": [self._logprob_entry(t, n * step + j) for j, t in enumerate(piece)]}
+            lps = {"content": [self._logprob_entry(t, n * step + j, top) for j, t in enumerate(piece)]}
             if deltas is not None:
                 delta = deltas[n]
             else:

@@ -118,6 +118,15 @@ def reply_text(body: dict[str, Any], prompt_ids: list[int], n_tokens: int) -> st
     return " ".join(words)
 
 
+def top_alternatives(token: int, position: int, k: int) -> list[int]:
+    """The ``k`` ids a ``top_logprobs: k`` entry lists, as vLLM 0.32 lists them: the sampled ``token``
+    first, then the likeliest others (here its byte neighbours: a stand-in has no distribution)."""
+    if k <= 0:
+        return []
+    others = sorted(((token + d) % 256 for d in range(1, k)), key=lambda t: -logprob(t, position))
+    return [token, *others]
+
+
 def logprob(token: int, position: int) -> float:
     """A deterministic logprob for a token at a position, rounded to float32 as vLLM computes them."""
     raw = -((token * 2654435761 + position * 40503) % 10_000) / 2500.0

@@ -127,6 +127,8 @@ class TokenEndpoints:
         sampling = out["sampling_params"]
         sampling.update(seed=body.get("seed"), max_tokens=body.get("max_tokens") or self.standin.config.reply_tokens,
                         temperature=body.get("temperature", 1.0))
+        if body.get("top_logprobs"):  # vLLM's SamplingParams.logprobs: alternatives per sampled token
+            sampling["logprobs"] = int(body["top_logprobs"])
         extra = dict(body.get("vllm_xargs") or {})
         if body.get("standin_fail"):
             extra["standin_fail"] = body["standin_fail"]
@@ -175,8 +177,8 @@ class TokenEndpoints:
         choice = out["choices"][0]
         choice.update(token_ids=ids, finish_reason=finish, stop_reason=None,
                       weight_versions=_spans(version_at_start, self.standin.weight_version, len(ids)),
-                      logprobs={"content": [{"token_id": t, "logprob": text_model.logprob(t, i), "rank": 1,
-                                             "top_logprobs": []} for i, t in enumerate(ids)]})
+                      logprobs={"content": [_generated_logprob(t, i, int(sampling.get("logprobs") or 0))
+                                            for i, t in enumerate(ids)]})
         out.update(request_id=f"generate-tokens-{uuid.uuid4().hex[:16]}", created=int(time.time()),
                    model=body.get("model"))
         out["usage"].update(prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids))
@@ -196,7 +198,9 @@ class TokenEndpoints:
         choice = out["choices"][0]
         choice["message"].update(content=None if calls else text, tool_calls=calls)
         choice["finish_reason"] = generated.get("finish_reason") or "stop"
-        choice["logprobs"] = None
+        # As vLLM's derender: with the chat request's logprobs, generate's entries named (strings, bytes).
+        content = (generated.get("logprobs") or {}).get("content") if chat.get("logprobs") else None
+        choice["logprobs"] = {"content": [_named(entry) for entry in content]} if content else None
         out.update(id=body["generate_response"].get("request_id") or f"chatcmpl-{uuid.uuid4().hex}",
                    created=int(time.time()), model=chat.get("model"))
         return JSONResponse(out)
@@ -214,3 +218,23 @@ class TokenEndpoints:
                 Route("/inference/v1/generate", self.generate, methods=["POST"]),
                 Route("/v1/chat/completions/derender", self.derender, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"])]
+
+
+def _generated_logprob(token: int, position: int, top: int) -> dict[str, Any]:
+    """generate's entry for a sampled token (ids and ranks, no strings); with ``top`` (the sampling
+    params' ``logprobs``) its alternatives, the sampled id first, as vLLM 0.32 lists them."""
+    alternatives = text_model.top_alternatives(token, position, top)
+    return {"token_id": token, "logprob": text_model.logprob(token, position), "rank": 1,
+            "top_logprobs": [{"token_id": t, "logprob": text_model.logprob(t, position), "rank": rank + 1}
+                             for rank, t in enumerate(alternatives)]}
+
+
+def _named(entry: dict[str, Any]) -> dict[str, Any]:
+    """A generate logprob entry as derender gives it back: token string and bytes, alternatives too."""
+    def one(token: int, value: float) -> dict[str, Any]:
+        name = _NAMES.get(token)
+        raw = list(name.encode("utf-8")) if name else [token] if 0 <= token < 256 else []
+        return {"token": name or bytes(raw).decode("utf-8", errors="replace"), "logprob": value, "bytes": raw}
+
+    return {**one(entry["token_id"], entry["logprob"]),
+            "top_logprobs": [one(top["token_id"], top["logprob"]) for top in entry.get("top_logprobs") or ()]}

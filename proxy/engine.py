@@ -55,6 +55,9 @@ class EngineDelta:
     stop_reason: int | str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    # The engine's own entry per sampled token (``logprobs.content[i]``, kept as it came: token string,
+    # bytes, top alternatives), for a harness that asked for logprobs; ``logprobs`` holds their values.
+    logprob_entries: list[dict[str, Any]] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
     usage: Usage | None = None
 
@@ -80,6 +83,8 @@ class EngineTurn:
     # The prompt ids already packed for the event (a stream packs them as they arrive, off the end of the
     # call where the event is written); None: packed when the event is built.
     packed_prompt: TokenIds | None = None
+    # The engine's entry per sampled token (see EngineDelta.logprob_entries); empty when it gave none.
+    logprob_entries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ended_by_eos(self) -> bool:
@@ -94,6 +99,7 @@ class TurnAssembler:
         self.prompt_token_ids: list[int] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
+        self.logprob_entries: list[dict[str, Any]] = []
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._calls: dict[int, ToolCallDelta] = {}
@@ -111,6 +117,7 @@ class TurnAssembler:
                 self.packed_prompt = None
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
+        self.logprob_entries.extend(delta.logprob_entries)
         if delta.content:
             self._content.append(delta.content)
         if delta.reasoning:
@@ -132,7 +139,8 @@ class TurnAssembler:
         usage = self.usage or Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
         return EngineTurn(self.prompt_token_ids, self.token_ids, self.logprobs, "".join(self._content) or None,
                           "".join(self._reasoning) or None, calls, self.finish_reason, usage,
-                          stop_reason=self.stop_reason, packed_prompt=self.packed_prompt)
+                          stop_reason=self.stop_reason, packed_prompt=self.packed_prompt,
+                          logprob_entries=self.logprob_entries)
 
 
 def packed_token_ids(values: list[int]) -> TokenIds:
@@ -233,10 +241,15 @@ def engine_body(request: NormalizedRequest, model: str, *, stream: bool) -> dict
     return body
 
 
-def _logprob_values(logprobs: Any) -> list[float | None]:
+def _logprob_entries(logprobs: Any) -> list[dict[str, Any]]:
+    """The per-token entries of a choice's ``logprobs`` block (``content``), as the engine sent them."""
     if not logprobs or not logprobs.get("content"):
         return []
-    return [entry.get("logprob") for entry in logprobs["content"]]
+    return logprobs["content"]
+
+
+def _logprob_values(entries: list[dict[str, Any]]) -> list[float | None]:
+    return [entry.get("logprob") for entry in entries]
 
 
 def _usage(raw: Any) -> Usage | None:
@@ -261,7 +274,8 @@ def parse_chunk(chunk: dict[str, Any]) -> EngineDelta:
         delta.finish_reason = choice.get("finish_reason")
         delta.stop_reason = choice.get("stop_reason")
         delta.token_ids = choice.get("token_ids") or []
-        delta.logprobs = _logprob_values(choice.get("logprobs"))
+        delta.logprob_entries = _logprob_entries(choice.get("logprobs"))
+        delta.logprobs = _logprob_values(delta.logprob_entries)
     return delta
 
 
@@ -276,10 +290,12 @@ def parse_response(body: dict[str, Any]) -> EngineTurn:
                       arguments=c["function"].get("arguments") or "")
              for i, c in enumerate(message.get("tool_calls") or ())]
     token_ids = choice.get("token_ids") or []
+    entries = _logprob_entries(choice.get("logprobs"))
     return EngineTurn(
         prompt_token_ids=body.get("prompt_token_ids") or [],
         token_ids=token_ids,
-        logprobs=_logprob_values(choice.get("logprobs")),
+        logprobs=_logprob_values(entries),
+        logprob_entries=entries,
         content=message.get("content"),
         reasoning=message.get("reasoning") or message.get("reasoning_content"),
         tool_calls=calls,

@@ -134,6 +134,26 @@ def _arguments(value: str | dict[str, Any]) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+_MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default --max-logprobs
+
+
+def _engine_extras(request: ChatCompletionRequest) -> dict[str, Any]:
+    """What the request asks of the engine beyond the common sampling fields: a structured output, and
+    the alternatives per token of a harness that asked for logprobs with ``top_logprobs``."""
+    extras: dict[str, Any] = {}
+    if request.response_format and request.response_format.get("type") != "text":
+        extras["response_format"] = request.response_format
+    if request.top_logprobs is not None:
+        if not 0 <= request.top_logprobs <= _MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be between 0 and {_MAX_TOP_LOGPROBS}, got {request.top_logprobs}",
+                             param="top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        if request.top_logprobs:
+            extras["top_logprobs"] = request.top_logprobs
+    return extras
+
+
 def normalize(request: ChatCompletionRequest) -> NormalizedRequest:
     """The internal request form of a chat completion request."""
     messages = []
@@ -155,9 +175,7 @@ def normalize(request: ChatCompletionRequest) -> NormalizedRequest:
                                 max_tokens=request.max_completion_tokens or request.max_tokens, seed=request.seed,
                                 stop=stop, presence_penalty=request.presence_penalty,
                                 frequency_penalty=request.frequency_penalty,
-                                extra={"response_format": request.response_format}
-                                if request.response_format and request.response_format.get("type") != "text"
-                                else {}),
+                                extra=_engine_extras(request)),
         stream=request.stream,
         reasoning_effort=request.reasoning_effort,
         chat_template_kwargs=request.chat_template_kwargs or {},
@@ -180,8 +198,22 @@ def _usage(turn: EngineTurn) -> dict[str, int]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def _logprobs_block(values: list[float | None]) -> dict[str, Any]:
-    # Token strings are the engine's business; the harness asked for numbers, so we give the values.
+def _token_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """One token's logprob entry in OpenAI's shape, from the engine's own entry: the chat endpoint's is
+    already that (token string, bytes, top alternatives) and passes as it came; the token endpoints' has
+    ids only (``token_id``), written as vLLM's ``return_tokens_as_token_ids`` writes them."""
+    if "token" in entry:
+        return entry
+    token_id = entry.get("token_id")
+    return {"token": f"token_id:{token_id}", "logprob": entry.get("logprob"), "bytes": None,
+            "top_logprobs": [{"token": f"token_id:{top.get('token_id')}", "logprob": top.get("logprob"), "bytes": None}
+                             for top in entry.get("top_logprobs") or () if isinstance(top, dict)]}
+
+
+def _logprobs_block(values: list[float | None], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``logprobs`` of a choice: the engine's entries where it gave one per token, else the values alone."""
+    if len(entries) == len(values) and all(isinstance(entry, dict) for entry in entries):
+        return {"content": [_token_entry(entry) for entry in entries]}
     return {"content": [{"token": "", "logprob": v, "bytes": None, "top_logprobs": []} for v in values]}
 
 
@@ -198,15 +230,16 @@ class ChatRenderer:
 
     def response(self, turn: EngineTurn) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "message": _message(turn), "finish_reason": turn.finish_reason or "stop",
-                                  "logprobs": _logprobs_block(turn.logprobs) if self.logprobs else None}
+                                  "logprobs": _logprobs_block(turn.logprobs, turn.logprob_entries) if self.logprobs
+                                  else None}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": _usage(turn)}
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
-               logprobs: list[float | None] | None = None) -> bytes:
+               logprobs: list[float | None] | None = None, entries: list[dict[str, Any]] | None = None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
         if self.logprobs and logprobs:
-            choice["logprobs"] = _logprobs_block(logprobs)
+            choice["logprobs"] = _logprobs_block(logprobs, entries or [])
         return _sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                      "choices": [choice]})
 
@@ -231,7 +264,7 @@ class ChatRenderer:
                 if call.name:
                     part["function"]["name"] = call.name
                 out["tool_calls"].append(part)
-        return [self._chunk(out, logprobs=delta.logprobs)]
+        return [self._chunk(out, logprobs=delta.logprobs, entries=delta.logprob_entries)]
 
     def stream_finish(self, turn: EngineTurn) -> list[bytes]:
         """The closing chunks: finish_reason, usage if asked for, and [DONE]."""
@@ -246,7 +279,7 @@ class ChatRenderer:
     def stream_whole(self, turn: EngineTurn) -> list[bytes]:
         """A synthetic stream for a turn the engine returned whole."""
         delta = EngineDelta(content=turn.content, reasoning=turn.reasoning, logprobs=turn.logprobs,
-                            tool_calls=[])
+                            logprob_entries=turn.logprob_entries, tool_calls=[])
         chunks = self.stream_delta(delta)
         if turn.tool_calls:
             calls = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(turn.tool_calls)]

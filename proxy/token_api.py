@@ -26,7 +26,7 @@ import httpx
 import orjson
 
 from proxy.engine import EngineTurn, error_from_response, parse_response, translate_http_error
-from proxy.errors import EngineFailed
+from proxy.errors import EngineFailed, ProxyError
 from schemas.completions import Usage
 
 logger = logging.getLogger(__name__)
@@ -45,29 +45,43 @@ class Generation:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    # generate's own entry per token (``token_id``, ``logprob``, ``rank``, ``top_logprobs``): no token
+    # strings, which a harness that asked for logprobs gets in vLLM's ``token_id:<id>`` form.
+    logprob_entries: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     weight_versions: list[dict[str, Any]] | None = None
     usage: Usage | None = None
     raw: dict[str, Any] | None = None
 
+    @property
+    def ends_with_eos(self) -> bool:
+        """The last id is the end-of-sequence token that stopped the turn (not a stop string or id)."""
+        return self.finish_reason == "stop" and self.stop_reason is None and bool(self.token_ids)
+
     def response(self, model: str) -> dict[str, Any]:
         """The generate reply in the shape derender takes (tokens output mode), without the end-of-sequence
         id that stopped it: the chat endpoint never decodes that id into the reply's text either (the
-        render asks for special tokens to be kept, for the tool parser), and the parsers must not see it."""
-        ids, values = self.token_ids, self.logprobs
-        if self.finish_reason == "stop" and self.stop_reason is None and ids:
-            ids, values = ids[:-1], values[:-1]
-        content = [{"token_id": t, "logprob": lp if lp is not None else 0.0} for t, lp in
-                   zip(ids, values or [None] * len(ids))]
+        render asks for special tokens to be kept, for the tool parser), and the parsers must not see it.
+        Its logprobs are generate's own entries (alternatives included), which derender gives back with
+        their token strings and bytes."""
+        ids, values, entries = self.token_ids, self.logprobs, self.logprob_entries
+        if self.ends_with_eos:
+            ids, values, entries = ids[:-1], values[:-1], entries[:-1]
+        if len(entries) != len(ids) or any(entry.get("logprob") is None for entry in entries):
+            entries = [{"token_id": t, "logprob": lp if lp is not None else 0.0} for t, lp in
+                       zip(ids, values or [None] * len(ids))]
         return {"model": model, "output_mode": "tokens", "choices": [{
             "index": 0, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-            "token_ids": ids, "logprobs": {"content": content} if values else None}]}
+            "token_ids": ids, "logprobs": {"content": entries} if values else None}]}
 
 
-def _logprobs(choice: dict[str, Any]) -> list[float | None]:
+_TOKEN_TEXTS = 4096  # token texts remembered (end-of-sequence ids and their alternatives: few)
+
+
+def _logprob_entries(choice: dict[str, Any]) -> list[dict[str, Any]]:
     block = choice.get("logprobs") or {}
-    return [entry.get("logprob") for entry in block.get("content") or ()]
+    return list(block.get("content") or ())
 
 
 def _usage(raw: Any) -> Usage | None:
@@ -82,6 +96,7 @@ class TokenApi:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client
         self.available: bool | None = None  # None until the first call tells
+        self._token_texts: dict[int, str] = {}
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -140,7 +155,9 @@ class TokenApi:
         document = await self._post("/inference/v1/generate", body)
         try:
             choice = document["choices"][0]
-            return Generation(token_ids=list(choice.get("token_ids") or ()), logprobs=_logprobs(choice),
+            entries = _logprob_entries(choice)
+            return Generation(token_ids=list(choice.get("token_ids") or ()),
+                              logprobs=[entry.get("logprob") for entry in entries], logprob_entries=entries,
                               finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"),
                               weight_versions=choice.get("weight_versions"), usage=_usage(document.get("usage")),
                               raw=document)
@@ -163,9 +180,43 @@ class TokenApi:
             finish = "tool_calls"  # as the chat endpoint says it (derender itself may say "stop")
         usage = generation.usage or Usage(prompt_tokens=len(prompt), completion_tokens=len(generation.token_ids))
         return EngineTurn(prompt_token_ids=prompt, token_ids=generation.token_ids, logprobs=generation.logprobs,
-                          content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
+                          logprob_entries=await self._named_entries(generation, parsed.logprob_entries, model),
+                          content=parsed.content,
+                          reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                           finish_reason=finish, usage=usage, response_id=parsed.response_id,
                           stop_reason=generation.stop_reason)
+
+    async def _named_entries(self, generation: Generation, derendered: list[dict[str, Any]],
+                             model: str) -> list[dict[str, Any]]:
+        """One logprob entry per sampled id with its token string: derender's (it names every id it was
+        given), and for the end-of-sequence id it was not given, the entry generate made, named through
+        :meth:`token_text`. generate's own entries (ids only) where derender named none."""
+        entries = generation.logprob_entries
+        named = len(entries) - (1 if generation.ends_with_eos else 0)
+        if len(derendered) != named or len(entries) != len(generation.token_ids):
+            return entries
+        if not generation.ends_with_eos:
+            return derendered
+        end = entries[-1]
+        try:
+            alternatives = [{"token": await self.token_text(top["token_id"], model), "logprob": top.get("logprob")}
+                            for top in end.get("top_logprobs") or ()]
+            token = await self.token_text(end["token_id"], model)
+        except (ProxyError, KeyError, TypeError):
+            return [*derendered, end]  # named as ids (see proxy.openai_chat): the turn itself is fine
+        return [*derendered, {"token": token, "logprob": end.get("logprob"), "bytes": list(token.encode("utf-8")),
+                              "top_logprobs": [{**top, "bytes": list(top["token"].encode("utf-8"))}
+                                               for top in alternatives]}]
+
+    async def token_text(self, token_id: int, model: str) -> str:
+        """The text of one token id (an end-of-sequence token's name, ``<|im_end|>``), asked of the engine once
+        and remembered (at most :data:`_TOKEN_TEXTS` ids)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = await self.detokenize([token_id], model)
+            if len(self._token_texts) < _TOKEN_TEXTS:
+                self._token_texts[token_id] = text
+        return text
 
     async def tokenize(self, text: str, model: str) -> list[int]:
         """The ids of plain ``text`` (no special tokens added)."""
