@@ -83,7 +83,9 @@ class EngineTurn:
     # The prompt ids already packed for the event (a stream packs them as they arrive, off the end of the
     # call where the event is written); None: packed when the event is built.
     packed_prompt: TokenIds | None = None
-    # The engine's entry per sampled token (see EngineDelta.logprob_entries); empty when it gave none.
+    # The engine's entry per sampled token (see EngineDelta.logprob_entries), for a whole reply; empty when
+    # it gave none, and for a streamed one, whose entries went out with their chunks and are not kept (a
+    # long reply's entries are hundreds of bytes a token).
     logprob_entries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -99,7 +101,6 @@ class TurnAssembler:
         self.prompt_token_ids: list[int] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
-        self.logprob_entries: list[dict[str, Any]] = []
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._calls: dict[int, ToolCallDelta] = {}
@@ -117,7 +118,6 @@ class TurnAssembler:
                 self.packed_prompt = None
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
-        self.logprob_entries.extend(delta.logprob_entries)
         if delta.content:
             self._content.append(delta.content)
         if delta.reasoning:
@@ -139,8 +139,7 @@ class TurnAssembler:
         usage = self.usage or Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
         return EngineTurn(self.prompt_token_ids, self.token_ids, self.logprobs, "".join(self._content) or None,
                           "".join(self._reasoning) or None, calls, self.finish_reason, usage,
-                          stop_reason=self.stop_reason, packed_prompt=self.packed_prompt,
-                          logprob_entries=self.logprob_entries)
+                          stop_reason=self.stop_reason, packed_prompt=self.packed_prompt)
 
 
 def packed_token_ids(values: list[int]) -> TokenIds:
