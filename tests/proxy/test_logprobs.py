@@ -99,6 +99,19 @@ async def test_an_exact_continuations_logprobs_are_named_by_the_engine(exact_pro
     assert end.token == "<|im_end|>" and end.bytes == list(b"<|im_end|>")
     assert [len(entry.top_logprobs) for entry in entries] == [TOP] * len(entries)
     assert all(entry.top_logprobs[0].token == entry.token for entry in entries)
+    # Streamed, an exact continuation's reply is synthesized from the whole turn: the same entries.
+    messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+    stream = await client.chat.completions.create(model="m", messages=messages, max_tokens=12, stream=True,
+                                                  logprobs=True)
+    text, streamed = "", []
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            streamed += chunk.choices[0].logprobs.content or [] if chunk.choices[0].logprobs else []
+    _, _, third = await exact_proxy.completions(3)
+    assert third.continuation is not None and third.continuation.mode == "exact"
+    assert len(streamed) == len(third.token_ids) and "".join(e.token for e in streamed).startswith(text)
+    assert all(entry.top_logprobs == [] for entry in streamed)  # none asked for this time
 
 
 @pytest.mark.parametrize("asked, message", [
