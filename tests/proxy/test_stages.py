@@ -80,9 +80,11 @@ async def test_a_streamed_call_is_split_into_its_four_stages(paced_proxy: ProxyU
     stages, waited = one_call(paced_proxy, session, stream=True)
     assert all(seconds > 0 for seconds in stages.values()), stages
     # The stand-in's own pace bounds the engine's stages from below: its latency before the first chunk,
-    # and the gaps between its token chunks while the proxy relays them.
+    # and the gaps between its token chunks while the proxy relays them. Token n leaves the stand-in
+    # n intervals after the first (its own clock), and the relay is timed from the first chunk's arrival,
+    # which may be a little later than it left: one gap of the 15 is left as slack for that transit.
     assert stages["upstream_wait"] >= LATENCY_S
-    assert stages["relay"] >= (TOKENS - 1) * INTERVAL_S
+    assert stages["relay"] >= (TOKENS - 2) * INTERVAL_S
     # The stages follow each other inside the call, so together they fit in what the client waited.
     assert sum(stages.values()) <= waited
     [event] = await paced_proxy.completions(1)
