@@ -36,6 +36,11 @@ Choices where Gemini and the internal form differ:
   A sampled call whose arguments are not a JSON object within the depth bound
   (:func:`proxy.anthropic_messages.arguments_object`) is left out and the candidate's ``finishReason``
   is ``MALFORMED_FUNCTION_CALL``, Gemini's own answer to such a call.
+- **Logprobs.** ``generationConfig.responseLogprobs`` gives each candidate ``logprobsResult``: the engine's
+  entry for each sampled token (``chosenCandidates``, with ``tokenId`` where the engine gave the id) and
+  the ``generationConfig.logprobs`` alternatives it was asked for (``topCandidates``), and
+  ``avgLogprobs`` with the finish reason. Streamed, a chunk carries its own tokens; tokens of a
+  ``functionCall`` (sent whole at the end) come with the closing chunk.
 - **A failure mid-stream** (the engine broke off, a limit) ends an ``alt=sse`` stream with Google's bare
   error object (``{"error": {"code", "message", "status"}}`` and a newline, no ``data:``), which Google's
   SDKs raise as an API error with that code (``@google/genai`` for JS looks for it in each read of the
@@ -61,6 +66,7 @@ from proxy.engine import EngineDelta, EngineTurn
 from proxy.errors import BadRequest, ProxyError
 from proxy.providers import ParsedCall, Route, validate_body
 from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
+from proxy.token_entries import average, checked_top_logprobs, gemini_logprobs, usable
 from schemas.completions import (
     ChatMessage,
     ContentPart,
@@ -165,6 +171,8 @@ class GenerationConfig(_Wire):
     responseSchema: dict[str, Any] | None = None
     responseJsonSchema: dict[str, Any] | None = None
     thinkingConfig: ThinkingConfig | None = None
+    responseLogprobs: bool | None = None
+    logprobs: int | None = None
 
 
 class GenerateContentRequest(_Wire):
@@ -435,6 +443,11 @@ def normalize(request: GenerateContentRequest, stream: bool) -> NormalizedReques
     extra: dict[str, Any] = {}
     if (response_format := _response_format(config)) is not None:
         extra["response_format"] = response_format
+    top = checked_top_logprobs(config.logprobs, "generationConfig.logprobs")
+    if top and not config.responseLogprobs:
+        raise BadRequest("generationConfig.logprobs needs responseLogprobs: true", param="generationConfig.logprobs")
+    if top:
+        extra["top_logprobs"] = top
     return NormalizedRequest(
         messages=messages,
         tools=_tools(request),
@@ -486,6 +499,10 @@ class GeminiRenderer:
         self._reasoning: list[str] = []
         self._signed = False
         self._chunks_sent = 0
+        config = request.generationConfig
+        self.logprobs = bool(config and config.responseLogprobs)
+        self._values: list[float | None] = []  # a stream's logprobs so far (avgLogprobs at its end)
+        self._held = EngineDelta()  # tokens of deltas with no part of their own (tool-call pieces)
 
     # parts ---------------------------------------------------------------------------------------------
     def _signature(self) -> str | None:
@@ -517,12 +534,16 @@ class GeminiRenderer:
         return parts, malformed
 
     def _document(self, parts: list[dict[str, Any]], turn: EngineTurn | None = None,
-                  malformed: bool = False) -> dict[str, Any]:
+                  malformed: bool = False, tokens: EngineDelta | EngineTurn | None = None) -> dict[str, Any]:
         candidate: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
         document: dict[str, Any] = {"candidates": [candidate]}
+        if self.logprobs and tokens is not None and tokens.logprobs:
+            candidate["logprobsResult"] = gemini_logprobs(tokens.logprobs, tokens.logprob_entries, tokens.token_ids)
         if turn is not None:
             candidate["finishReason"] = _finish_reason(turn, malformed)
             document["usageMetadata"] = _usage(turn)
+            if self.logprobs and (mean := average(self._values or turn.logprobs)) is not None:
+                candidate["avgLogprobs"] = mean
         document["modelVersion"] = self.model
         document["responseId"] = self.response_id
         return document
@@ -540,7 +561,7 @@ class GeminiRenderer:
         parts += calls
         if not parts:
             parts.append(self._text_part(""))
-        return self._document(parts, turn, malformed)
+        return self._document(parts, turn, malformed, tokens=turn)
 
     # streamed ------------------------------------------------------------------------------------------
     def _frame(self, document: dict[str, Any]) -> bytes:
@@ -559,7 +580,14 @@ class GeminiRenderer:
                 parts.append({"text": delta.reasoning, "thought": True})
         if delta.content:
             parts.append(self._text_part(delta.content))
-        return [self._frame(self._document(parts))] if parts else []
+        if self.logprobs and delta.logprobs:
+            self._values += delta.logprobs
+            if not parts:
+                self._held = _joined(self._held, delta)
+                return []
+            delta = _joined(self._held, delta)
+            self._held = EngineDelta()
+        return [self._frame(self._document(parts, tokens=delta))] if parts else []
 
     def stream_finish(self, turn: EngineTurn) -> list[bytes]:
         """The closing chunk: whole functionCall parts, finishReason and usageMetadata (then ``]``)."""
@@ -567,14 +595,16 @@ class GeminiRenderer:
         if not self._signed and not parts and (signature := self._signature()) is not None:
             # Reasoning only (e.g. cut by the token limit): the signature still has to reach the client.
             parts.append({"text": "", "thought": True, "thoughtSignature": signature})
-        chunks = [self._frame(self._document(parts, turn, malformed))]
+        chunks = [self._frame(self._document(parts, turn, malformed, tokens=self._held))]
         if not self.sse:
             chunks.append(b"]")
         return chunks
 
     def stream_whole(self, turn: EngineTurn) -> list[bytes]:
         """A synthetic stream for a turn the engine returned whole."""
-        return self.stream_delta(EngineDelta(content=turn.content, reasoning=turn.reasoning)) + self.stream_finish(turn)
+        tokens = EngineDelta(content=turn.content, reasoning=turn.reasoning, token_ids=turn.token_ids,
+                             logprobs=turn.logprobs, logprob_entries=turn.logprob_entries)
+        return self.stream_delta(tokens) + self.stream_finish(turn)
 
     def stream_error(self, error: ProxyError) -> list[bytes]:
         """A failure after the stream started. With ``alt=sse`` it is the bare error object on a line of
@@ -584,6 +614,16 @@ class GeminiRenderer:
         if self.sse:
             return [orjson.dumps(error_body(error)) + b"\n"]
         return [self._frame(error_body(error)), b"]"]
+
+
+def _joined(first: EngineDelta, then: EngineDelta) -> EngineDelta:
+    """The sampled tokens of two deltas, in order (their text is not needed here)."""
+    if not first.logprobs:
+        return then
+    entries = first.logprob_entries + then.logprob_entries \
+        if usable(first.logprobs, first.logprob_entries) and usable(then.logprobs, then.logprob_entries) else []
+    return EngineDelta(token_ids=first.token_ids + then.token_ids, logprobs=first.logprobs + then.logprobs,
+                       logprob_entries=entries)
 
 
 # -- errors --------------------------------------------------------------------------------------------

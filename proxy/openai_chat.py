@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest, ProxyError
 from proxy.providers import ParsedCall, Route, validate_body
+from proxy.token_entries import checked_top_logprobs, openai_entries
 from schemas.completions import (
     ChatMessage,
     ContentPart,
@@ -134,23 +135,17 @@ def _arguments(value: str | dict[str, Any]) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-_MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default --max-logprobs
-
-
 def _engine_extras(request: ChatCompletionRequest) -> dict[str, Any]:
     """What the request asks of the engine beyond the common sampling fields: a structured output, and
     the alternatives per token of a harness that asked for logprobs with ``top_logprobs``."""
     extras: dict[str, Any] = {}
     if request.response_format and request.response_format.get("type") != "text":
         extras["response_format"] = request.response_format
-    if request.top_logprobs is not None:
-        if not 0 <= request.top_logprobs <= _MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be between 0 and {_MAX_TOP_LOGPROBS}, got {request.top_logprobs}",
-                             param="top_logprobs")
-        if request.top_logprobs and not request.logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        if request.top_logprobs:
-            extras["top_logprobs"] = request.top_logprobs
+    top = checked_top_logprobs(request.top_logprobs, "top_logprobs")
+    if top and not request.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    if top:
+        extras["top_logprobs"] = top
     return extras
 
 
@@ -198,23 +193,9 @@ def _usage(turn: EngineTurn) -> dict[str, int]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def _token_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    """One token's logprob entry in OpenAI's shape, from the engine's own entry: the chat endpoint's is
-    already that (token string, bytes, top alternatives) and passes as it came; the token endpoints' has
-    ids only (``token_id``), written as vLLM's ``return_tokens_as_token_ids`` writes them."""
-    if "token" in entry:
-        return entry
-    token_id = entry.get("token_id")
-    return {"token": f"token_id:{token_id}", "logprob": entry.get("logprob"), "bytes": None,
-            "top_logprobs": [{"token": f"token_id:{top.get('token_id')}", "logprob": top.get("logprob"), "bytes": None}
-                             for top in entry.get("top_logprobs") or () if isinstance(top, dict)]}
-
-
 def _logprobs_block(values: list[float | None], entries: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``logprobs`` of a choice: the engine's entries where it gave one per token, else the values alone."""
-    if len(entries) == len(values) and all(isinstance(entry, dict) for entry in entries):
-        return {"content": [_token_entry(entry) for entry in entries]}
-    return {"content": [{"token": "", "logprob": v, "bytes": None, "top_logprobs": []} for v in values]}
+    return {"content": openai_entries(values, entries)}
 
 
 class ChatRenderer:

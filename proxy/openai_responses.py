@@ -48,7 +48,10 @@ output_item.added, its part/delta/done events and output_item.done, then respons
 response.incomplete when the token limit cut it off) with usage. Reasoning the engine produced is an item
 with the raw text as ``reasoning_text`` content (``response.reasoning_text.delta``/``.done``, as servers of
 open-weight models send it), an empty ``summary`` (no summary is made, so none is claimed), and
-``encrypted_content`` when ``include`` asks for it. Tool-call items are closed only in the
+``encrypted_content`` when ``include`` asks for it. When ``include`` has ``message.output_text.logprobs``,
+the output text carries the engine's entry for each sampled token (``top_logprobs`` alternatives, 0-20,
+asked of the engine), as vLLM's own Responses endpoint does: whole, every token of the reply; streamed,
+each ``output_text.delta`` its own tokens. Tool-call items are closed only in the
 closing part (:meth:`ResponsesRenderer.stream_finish`), which is sent after the call is recorded: a
 harness that runs a tool on ``output_item.done`` never runs one whose call went unrecorded. Freeform
 inputs are known only once the call's arguments are complete, so their delta/done come then too.
@@ -71,6 +74,7 @@ from proxy.errors import BadRequest, ProxyError
 from proxy.openai_chat import error_body as openai_error_body
 from proxy.providers import ParsedCall, Route, bad_request, validate_body
 from proxy.reasoning import ReasoningBudget, decode_reasoning, encode_reasoning
+from proxy.token_entries import checked_top_logprobs, openai_entries, stream_entries
 from schemas.completions import (
     ChatMessage,
     ContentPart,
@@ -85,7 +89,7 @@ logger = logging.getLogger(__name__)
 
 _KNOWN_IGNORED = {"store", "include", "parallel_tool_calls", "prompt_cache_key", "metadata", "client_metadata",
                   "text", "user", "service_tier", "truncation", "safety_identifier", "background",
-                  "stream_options", "top_logprobs", "max_tool_calls", "prompt_cache_retention"}
+                  "stream_options", "max_tool_calls", "prompt_cache_retention"}
 # Items that record what a hosted tool or the server did: the engine never produced them.
 _DROPPED_ITEMS = {"web_search_call", "tool_search_call", "tool_search_output", "file_search_call",
                   "image_generation_call", "code_interpreter_call", "computer_call", "computer_call_output",
@@ -199,6 +203,7 @@ class ResponsesRequest(_Wire):
     top_p: float | None = None
     reasoning: WireReasoning | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
 
@@ -466,6 +471,15 @@ class _Builder:
         return [ChatMessage(**m) for m in self.messages]
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def _engine_extras(request: ResponsesRequest) -> dict[str, Any]:
+    """The alternatives per token (``top_logprobs``) of a harness whose ``include`` asks for logprobs."""
+    top = checked_top_logprobs(request.top_logprobs, "top_logprobs")
+    return {"top_logprobs": top} if top and OUTPUT_LOGPROBS in (request.include or ()) else {}
+
+
 def normalize(request: ResponsesRequest) -> tuple[NormalizedRequest, ToolMap]:
     """The internal request form of a Responses request, and the tool map its replies need."""
     tools = build_tools(request.tools)
@@ -485,7 +499,7 @@ def normalize(request: ResponsesRequest) -> tuple[NormalizedRequest, ToolMap]:
         tools=tools.definitions,
         tool_choice=_tool_choice(request.tool_choice, tools) if tools.definitions else None,
         sampling=SamplingParams(temperature=request.temperature, top_p=request.top_p,
-                                max_tokens=request.max_output_tokens),
+                                max_tokens=request.max_output_tokens, extra=_engine_extras(request)),
         stream=request.stream,
         reasoning_effort=_EFFORTS.get(effort) if effort else None,
     )
@@ -528,6 +542,7 @@ class _OpenItem:
     item: dict[str, Any]
     text: list[str] = field(default_factory=list)
     closed: bool = False
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # an output_text's entries, when asked for
 
 
 class ResponsesRenderer:
@@ -540,6 +555,7 @@ class ResponsesRenderer:
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.include_encrypted = "reasoning.encrypted_content" in (request.include or ())
+        self.logprobs = OUTPUT_LOGPROBS in (request.include or ())
         self._sequence = 0
         self._started = False
         self._items: list[_OpenItem] = []
@@ -560,7 +576,7 @@ class ResponsesRenderer:
                 "temperature": request.temperature, "text": (request.model_extra or {}).get("text"),
                 "tool_choice": request.tool_choice or "auto",
                 "tools": [t.model_dump(exclude_none=True) for t in request.tools or ()], "top_p": request.top_p,
-                "truncation": "disabled", "usage": _usage(turn) if turn is not None else None,
+                "top_logprobs": request.top_logprobs, "truncation": "disabled", "usage": _usage(turn) if turn is not None else None,
                 "metadata": {}}
 
     def _reasoning_item(self, text: str, item_id: str | None = None) -> dict[str, Any]:
@@ -590,10 +606,16 @@ class ResponsesRenderer:
             status = "incomplete" if cut and not turn.tool_calls else "completed"
             output.append({"id": _new_id("msg"), "type": "message", "status": status, "role": "assistant",
                            "content": [{"type": "output_text", "text": turn.content, "annotations": [],
-                                        "logprobs": []}]})
+                                        "logprobs": self._entries(turn.logprobs, turn.logprob_entries)}]})
         status = "incomplete" if cut else "completed"
         output.extend(self._call_item(c, status=status) for c in turn.tool_calls)
         return output
+
+    def _entries(self, values: list[float | None], entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """An output text's logprob entries, when the request's ``include`` asked for them: every sampled
+        token of the reply's (as vLLM's own Responses endpoint gives them: the text's, and any reasoning's
+        and tool call's before or after it)."""
+        return openai_entries(values, entries, bytes_always=True) if self.logprobs and values else []
 
     @staticmethod
     def _status(turn: EngineTurn) -> str:
@@ -637,15 +659,16 @@ class ResponsesRenderer:
                     self._event("response.content_part.done", item_id=item_id, output_index=index,
                                 content_index=0, part=part),
                     self._event("response.output_item.done", output_index=index, item=entry.item)]
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": entry.logprobs}
         entry.item = {**entry.item, "status": status, "content": [part]}
         return [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                            text=text, logprobs=[]),
+                            text=text, logprobs=stream_entries(entry.logprobs)),
                 self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=index, item=entry.item)]
 
-    def _text(self, kind: Literal["reasoning", "message"], text: str) -> list[bytes]:
+    def _text(self, kind: Literal["reasoning", "message"], text: str,
+              logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
         chunks: list[bytes] = []
         if self._open is None or self._open.item["type"] != kind:
             chunks += self._close_text_item()
@@ -663,8 +686,9 @@ class ResponsesRenderer:
                                           output_index=self._open.index, content_index=0, part=part)]
         entry = self._open
         entry.text.append(text)
+        entry.logprobs += logprobs or ()
         kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": stream_entries(logprobs or [])}
         chunks.append(self._event(kind_event, item_id=entry.item["id"], output_index=entry.index, content_index=0,
                                   delta=text, **extra))
         return chunks
@@ -690,8 +714,8 @@ class ResponsesRenderer:
         chunks = self._start()
         if delta.reasoning:
             chunks += self._text("reasoning", delta.reasoning)
-        if delta.content:
-            chunks += self._text("message", delta.content)
+        if delta.content:  # the delta's tokens (its reasoning's too) go with its text, as vLLM's stream has it
+            chunks += self._text("message", delta.content, self._entries(delta.logprobs, delta.logprob_entries))
         for part in delta.tool_calls:
             chunks += self._call_delta(part)
         return chunks
@@ -725,7 +749,8 @@ class ResponsesRenderer:
 
     def stream_whole(self, turn: EngineTurn) -> list[bytes]:
         """A synthetic stream for a turn the engine returned whole."""
-        chunks = self.stream_delta(EngineDelta(reasoning=turn.reasoning, content=turn.content))
+        chunks = self.stream_delta(EngineDelta(reasoning=turn.reasoning, content=turn.content, logprobs=turn.logprobs,
+                                               logprob_entries=turn.logprob_entries))
         calls = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(turn.tool_calls)]
         if calls:
             chunks += self.stream_delta(EngineDelta(tool_calls=calls))

@@ -8,10 +8,12 @@ parameter.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -127,3 +129,81 @@ async def test_a_bad_top_logprobs_is_refused_in_openais_shape(proxy: ProxyUnderT
     assert caught.value.status_code == 400 and message in caught.value.message
     body = caught.value.body
     assert isinstance(body, dict) and body.get("param") == "top_logprobs"
+
+
+# -- the Responses API (include: message.output_text.logprobs) and Gemini (responseLogprobs) ---------------
+
+
+def _same_values(sent: list[float], event: Any) -> None:
+    recorded = event.logprobs.tolist()
+    assert len(sent) == len(recorded) == len(event.token_ids) > 0
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(sent, recorded, strict=True))
+
+
+async def test_responses_logprobs_are_the_engines_streamed_and_whole(proxy: ProxyUnderTest) -> None:
+    client = client_of(proxy.new_session())
+    asked: dict[str, Any] = {"include": ["message.output_text.logprobs"], "top_logprobs": TOP}
+    whole = await client.responses.create(model="m", input="Say something.", max_output_tokens=16, **asked)
+    text_part = whole.output[-1].content[0]  # type: ignore[union-attr]
+    whole_values = _check_entries(text_part.logprobs or [], whole.output_text)
+    streamed_values: list[float] = []
+    delta_text, done_entries = "", None
+    async with client.responses.stream(model="m", input="Say something.", max_output_tokens=16, **asked) as stream:
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                delta_text += event.delta
+                for entry in event.logprobs:  # the stream's form: token, logprob, alternatives (no bytes)
+                    assert len(entry.top_logprobs) == TOP and entry.top_logprobs[0].token == entry.token
+                    streamed_values.append(entry.logprob)
+            if event.type == "response.output_text.done":
+                done_entries = event.logprobs
+            if event.type in ("response.completed", "response.incomplete"):  # 16 tokens may cut it short
+                final = event.response
+    part = final.output[-1].content[0]  # type: ignore[union-attr]
+    assert _check_entries(part.logprobs or [], delta_text) == streamed_values
+    assert done_entries is not None and [entry.logprob for entry in done_entries] == streamed_values
+    plain = await client.responses.create(model="m", input="Say something.", max_output_tokens=16)
+    assert plain.output[-1].content[0].logprobs == []  # type: ignore[union-attr]  # not asked for
+    first, second, third = await proxy.completions(3)
+    for event, sent in ((first, whole_values), (second, streamed_values)):
+        assert event.request.sampling.extra.get("top_logprobs") == TOP
+        _same_values(sent, event)
+    assert "top_logprobs" not in third.request.sampling.extra
+
+
+async def test_gemini_logprobs_result_is_the_engines_streamed_and_whole(proxy: ProxyUnderTest) -> None:
+    session = proxy.new_session()
+    url = f"{session['base_urls']['gemini']}/v1beta/models/m"
+    headers = {"x-goog-api-key": session["api_key"]}
+    body = {"contents": [{"role": "user", "parts": [{"text": "Say something."}]}],
+            "generationConfig": {"maxOutputTokens": 16, "responseLogprobs": True, "logprobs": TOP}}
+    async with httpx.AsyncClient(timeout=30) as http:
+        whole = (await http.post(f"{url}:generateContent", json=body, headers=headers)).json()
+        chunks = []
+        async with http.stream("POST", f"{url}:streamGenerateContent?alt=sse", json=body, headers=headers) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data: "):
+                    chunks.append(json.loads(line[6:]))
+        refused = await http.post(f"{url}:generateContent", headers=headers, json={
+            **body, "generationConfig": {"logprobs": 2}})
+    first, second, *_ = await proxy.completions(2)
+
+    def values_of(candidates: list[dict[str, Any]], event: Any) -> list[float]:
+        chosen = [c for candidate in candidates for c in candidate["logprobsResult"]["chosenCandidates"]]
+        tops = [t for candidate in candidates for t in candidate["logprobsResult"]["topCandidates"]]
+        assert [c["tokenId"] for c in chosen] == event.token_ids.tolist()
+        for one, top in zip(chosen, tops, strict=True):
+            assert len(top["candidates"]) == TOP and top["candidates"][0]["token"] == one["token"]
+        return [c["logProbability"] for c in chosen]
+
+    candidate = whole["candidates"][0]
+    text = "".join(part.get("text", "") for part in candidate["content"]["parts"])
+    assert "".join(c["token"] for c in candidate["logprobsResult"]["chosenCandidates"]).startswith(text)
+    _same_values(values_of([candidate], first), first)
+    assert math.isclose(candidate["avgLogprobs"], sum(first.logprobs.tolist()) / len(first.token_ids), rel_tol=1e-6)
+    streamed = [chunk["candidates"][0] for chunk in chunks if "logprobsResult" in chunk["candidates"][0]]
+    assert len(streamed) > 1  # each chunk its own tokens
+    _same_values(values_of(streamed, second), second)
+    assert "avgLogprobs" in chunks[-1]["candidates"][0]
+    assert refused.status_code == 400
+    assert "responseLogprobs" in refused.json()["error"]["message"]
