@@ -35,9 +35,11 @@ import httpx
 import orjson
 
 from bench.harness_requests import harness_requests
+from bench.kafka_floor import KafkaFloor, read_records
 from bench.machine_cpu import CpuMeter, kafka_broker_pids, process_cpu_s
 from bench.peers import Peer, PeerMissing, start_litellm, start_nginx
 from deploy.kafka import KafkaBroker, KafkaConfig
+from schemas.topics import Topic
 from schemas.transport import KafkaSettings, broker_answers, ensure_topics
 
 
@@ -139,6 +141,9 @@ async def run(args: argparse.Namespace) -> None:
     prefix = f"bench{uuid.uuid4().hex[:6]}."
     kafka = KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix)
     await ensure_topics(kafka)
+    floor_kafka = KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix.rstrip(".") + "f.")
+    await ensure_topics(floor_kafka)
+    floor = KafkaFloor(floor_kafka, floor_kafka.registry().name(Topic.COMPLETIONS))
 
     standin_port, proxy_port = _free_port(), _free_port()
     standin = _spawn(["-m", "bench.standin_engine", "--port", str(standin_port), "--latency-ms", "20",
@@ -212,6 +217,11 @@ async def run(args: argparse.Namespace) -> None:
             # Warm every path (connections, caches, producer metadata).
             for targets in paths.values():
                 await _round(targets, bodies, 1, streams)
+            # The capture stage's floor: the proxy's own events (its warm-up round's), a burst of them at once.
+            captured = await read_records(kafka, args.concurrency)
+            await floor.start()
+            await floor.burst(captured)
+            floor.ack_s.clear()
             metrics_before = (await client.get(f"http://127.0.0.1:{proxy_port}/metrics")).text
             results: dict[str, list[float]] = {name: [] for name in paths}
             elapsed = {name: 0.0 for name in paths}
@@ -236,8 +246,11 @@ async def run(args: argparse.Namespace) -> None:
                         proxy_cpu[name] += process_cpu_s(process.pid) - cpu
                     results[name] += latencies
                     elapsed[name] += seconds
+                for _ in range(args.requests_per_client):
+                    await floor.burst(captured)
             health = (await client.get(f"http://127.0.0.1:{proxy_port}/metrics")).text
     finally:
+        await floor.stop()
         for peer in peers:
             peer.stop()
         for server in (proxy, baseline):
@@ -291,6 +304,14 @@ async def run(args: argparse.Namespace) -> None:
     if "capture" in stages:
         # The ack (Kafka capture) is the one stage that lies wholly inside the added time.
         print(f"ack_share_of_added_p50={stages['capture'] / added_p50 if added_p50 > 0 else float('nan'):.2f}")
+    if floor.ack_s:
+        # A bare producer's ack for the same records, `concurrency` at once: what capture costs at best here.
+        print(f"kafka_floor_records={len(floor.ack_s)} kafka_floor_record_kb_mean="
+              f"{statistics.mean(len(r.value) for r in captured) / 1024:.1f}")
+        print(f"kafka_floor_ack_mean_ms={statistics.mean(floor.ack_s) * 1000:.2f} "
+              f"kafka_floor_ack_p50_ms={_pct(floor.ack_s, 0.5):.2f} kafka_floor_ack_p99_ms={_pct(floor.ack_s, 0.99):.2f}")
+        if "capture" in stages:
+            print(f"capture_over_kafka_floor={stages['capture'] / (statistics.mean(floor.ack_s) * 1000):.2f}")
     for name in others:
         other_added = _pct(results[name], 0.5) - _pct(d, 0.5)
         print(f"rollwire_over_{name}_added_p50={added_p50 / other_added if other_added > 0 else float('nan'):.3f}")
