@@ -16,7 +16,8 @@ Prompt deltas (:mod:`schemas.prompt_chain`): the event of a call that continues 
 (``continuation.mode`` exact, the branch's last event known) is written as a delta against that event;
 every other call's event is a keyframe (a branch's first call, a rendered call, a failed call, every
 :data:`~schemas.prompt_chain.KEYFRAME_EVERY`-th event of a chain, a prompt grown past
-:data:`~schemas.prompt_chain.KEYFRAME_GROWTH` times its chain's keyframe, a delta that would not be smaller).
+:data:`~schemas.prompt_chain.KEYFRAME_GROWTH` times its chain's keyframe, a delta that would not be smaller),
+except that a keyframe over the record limit is written as the delta it could be (:mod:`proxy.capture`).
 The branch remembers the event only once the broker has it, so a failed or unrecorded call never becomes
 a parent.
 """
@@ -26,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import replace
@@ -59,7 +62,7 @@ from proxy.providers import Renderer
 from proxy.relay import ClosingChunk
 from proxy.session_registry import LiveSession
 from proxy.token_api import TokenApi, TokenApiMissing
-from schemas.completions import ChatMessage, Continuation, NormalizedRequest
+from schemas.completions import ChatMessage, Completion, Continuation, NormalizedRequest
 from schemas.envelope import utcnow
 from schemas.prompt_chain import KEYFRAME_EVERY, KEYFRAME_GROWTH, ChainLink, delta_against, next_link
 
@@ -139,7 +142,13 @@ class CallService:
         full = completion_event(ctx, request, turn)
         written = full if parent is None else \
             delta_against(full, parent, keyframe_every=KEYFRAME_EVERY, keyframe_growth=KEYFRAME_GROWTH)
-        await self.recorder.record_completion(written)
+        def smaller() -> Completion | None:  # a keyframe over the record limit: the call as a delta, if any
+            assert parent is not None
+            forced = delta_against(full, parent, keyframe_every=sys.maxsize, keyframe_growth=math.inf)
+            return forced if forced is not full else None
+
+        keyframe_with_parent = parent is not None and written is full
+        written = await self.recorder.record_completion(written, smaller if keyframe_with_parent else None)
         ctx.stages.capture = time.perf_counter() - started
         return next_link(full, written, parent)
 

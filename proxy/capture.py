@@ -5,7 +5,10 @@ event; when Kafka fails it raises :class:`~proxy.errors.CaptureFailed` (the call
 and replaces its producer, so that the proxy recovers by itself once Kafka is back. An event that can
 never be written as it is (over the record limit, or not encodable) is not a Kafka failure: the producer
 is kept, and :meth:`Recorder.record_completion` writes a slimmed failed-call event in its place, so the
-call's tokens are never lost (:func:`slimmed`).
+call's tokens are never lost (:func:`slimmed`). A served call's keyframe that is over the record limit is
+first tried as a prompt delta against its branch's previous event (a long session with a 1M-token context
+reaches the limit at its periodic keyframe, while its delta holds only the new turn), so that the call
+stays a served, trainable one; its chain then runs past the usual keyframe interval.
 
 What a refused call's event holds: ``status: error`` with ``error.kind``/``message``/``http_status``;
 ``request.messages`` empty when the body could not be read or parsed (too large, wrong media type, not
@@ -248,15 +251,31 @@ class Recorder:
             raise CaptureFailed(f"the call could not be recorded (Kafka: {exc!r}); retry shortly") from exc
         self._succeeded()
 
-    async def record_completion(self, event: Completion) -> None:
-        """Record a completion; if it cannot be written as it is, write :func:`slimmed` and raise the reason
-        (marked recorded), so the caller answers with it but never records the call twice."""
+    async def record_completion(self, event: Completion,
+                                smaller: Callable[[], Completion | None] | None = None) -> Completion:
+        """Record a completion and return the event written: ``event``, or, if that cannot be written as it
+        is, what ``smaller`` gives (the same call as a prompt delta, when ``event`` is a keyframe that has
+        a parent). If neither can, write :func:`slimmed` and raise the reason (marked recorded), so the
+        caller answers with it but never records the call twice (the slimmed delta when there is one: it
+        holds only the new tokens)."""
         try:
             await self.record(event)
+            return event
         except UnrecordableEvent as reason:
-            await self.record(slimmed(event, reason))
-            reason.recorded = True
-            raise
+            failure = reason
+        alternative = smaller() if smaller is not None else None
+        if alternative is not None:
+            try:
+                await self.record(alternative)
+                logger.info("call %s/%d written as a delta: its keyframe would not fit (%s)", event.session_id,
+                            event.sequence, failure.message)
+                return alternative
+            except UnrecordableEvent:
+                pass
+        # Slimmed, the delta keeps only the new tokens: it fits where the keyframe's whole prompt may not.
+        await self.record(slimmed(alternative if alternative is not None else event, failure))
+        failure.recorded = True
+        raise failure
 
     async def _discard_producer(self, slot: int) -> None:
         async with self._locks[slot]:

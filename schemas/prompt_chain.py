@@ -252,7 +252,8 @@ class PromptChains:
     (least recently used dropped first). A delta whose parent is not in the cache raises
     :class:`MissingPromptParent`: a reader that starts in the middle of a partition, or whose cache is too
     small for the sessions it interleaves, sees that for the rest of a chain (up to the next keyframe:
-    at most :data:`KEYFRAME_EVERY` events)."""
+    at most :data:`KEYFRAME_EVERY` events, unless the chain's keyframes are over the record limit, which
+    the proxy then writes as deltas: see ``proxy/capture.py``)."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes

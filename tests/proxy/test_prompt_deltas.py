@@ -20,6 +20,7 @@ import proxy.branches
 import proxy.calls
 from bench.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
+from schemas.codec import encode_event
 from schemas.completions import Completion
 from schemas.prompt_chain import is_delta, resolve_session
 from schemas.transport import KafkaSettings
@@ -216,3 +217,46 @@ def test_a_slimmed_delta_keeps_its_tokens_and_takes_no_request_from_its_parent()
     [_, resolved] = resolve_session([parent, slim]).resolved
     assert resolved.prompt_token_ids == full[1].prompt_token_ids
     assert resolved.request.messages == [] and resolved.request.tools == []
+
+
+async def test_a_keyframe_over_the_record_limit_is_written_as_a_delta(kafka: KafkaSettings,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long session's periodic keyframe can pass the record limit (a 1M-token context) while its delta,
+    the new turn alone, is small: the call is written as a delta and stays a served call, rather than a
+    slimmed failed one. Only a call that cannot be written either way is slimmed."""
+    monkeypatch.setattr(proxy.calls, "KEYFRAME_EVERY", 2)  # the second call is due a keyframe
+    limit = 1024 * 1024
+    small = kafka.model_copy(update={"max_message_bytes": limit})
+    engine = create_standin(StandinConfig(latency_ms=1, reply_tokens=12, token_api=True, max_model_len=1_000_000))
+    with serve(engine) as engine_url, serve(create_app(proxy_settings(engine_url), small)) as url:
+        under_test = ProxyUnderTest(url, small)
+        session = under_test.new_session(engine={"max_tokens": 12})
+        # How many event bytes a byte of prompt text costs here (its text and its token ids).
+        probe = [{"role": "user", "content": "x" * 50_000}]
+        ask(session, probe, tools=None)
+        (first,) = of_session(await under_test.completions(1, raw=True), session)
+        per_byte = len(encode_event(first)) / 50_000
+        # Then a history of about 0.3 of the limit, and a turn that brings it to about 1.1.
+        history = [{"role": "user", "content": "y" * int(0.3 * limit / per_byte)}]
+        history += [ask(session, history, tools=None), {"role": "user", "content": "z" * int(0.8 * limit / per_byte)}]
+        ask(session, history, tools=None)
+        # A last turn that alone is over the limit (its text and ids), though its ids alone are not: the
+        # call is refused in the harness's protocol, and recorded slimmed as a delta (its ids, no text).
+        history += [ask(session, history, tools=None), {"role": "user", "content": "w" * int(1.1 * limit / per_byte)}]
+        refused = httpx.post(f"{session['base_urls']['openai']}/chat/completions", headers=auth(session),
+                             timeout=30, json={"model": "m", "messages": history})
+        assert refused.status_code == 413 and "too large to record" in refused.json()["error"]["message"]
+        raw = of_session(await under_test.completions(5, raw=True), session)
+    probe_call, opening, grown, after, too_big = raw
+    assert [e.status for e in raw] == ["ok", "ok", "ok", "ok", "error"]
+    assert not is_delta(opening) and is_delta(grown)  # due a keyframe (K=2), written as a delta
+    assert grown.prompt_delta.parent_event_id == opening.event_id  # type: ignore[union-attr]
+    full = resolve_session(raw).resolved[2]
+    assert len(encode_event(full)) > limit >= len(encode_event(grown))  # the keyframe would not have fitted
+    assert is_delta(after)  # its chain goes on past K: the next keyframe would not fit either
+    assert too_big.request.messages == [] and too_big.error is not None and is_delta(too_big)
+    assert too_big.prompt_delta.parent_event_id == after.event_id  # type: ignore[union-attr]
+    chain = resolve_session(raw)
+    assert chain.missing == []
+    assert chain.resolved[4].prompt_token_ids.tolist()[:len(chain.resolved[3].prompt_token_ids)] == \
+        chain.resolved[3].prompt_token_ids.tolist()  # type: ignore[union-attr]  # its whole prompt, resolved
