@@ -65,17 +65,29 @@ def openai_entries(values: list[float | None], entries: list[dict[str, Any]], *,
         return [{"token": "", "logprob": v, "bytes": [] if bytes_always else None, "top_logprobs": []} for v in values]
     out = [openai_entry(entry) for entry in entries]
     if bytes_always:
-        out = [{**entry, "bytes": _bytes(entry, entry["token"]),
-                "top_logprobs": [{**top, "bytes": _bytes(top, top["token"])} for top in entry["top_logprobs"]]}
-               if entry.get("bytes") is None or any(top.get("bytes") is None for top in entry["top_logprobs"])
-               else entry for entry in out]
+        out = [_with_bytes(entry) for entry in out]
     return out
+
+
+def _alternatives(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    return [top for top in entry.get("top_logprobs") or () if isinstance(top, dict)]
+
+
+def _with_bytes(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with every token's bytes listed (its own, and its alternatives')."""
+    tops = _alternatives(entry)
+    if isinstance(entry.get("bytes"), list) and all(isinstance(top.get("bytes"), list) for top in tops) \
+            and len(tops) == len(entry.get("top_logprobs") or ()):
+        return entry
+    token = _named(entry)
+    return {**entry, "token": token, "bytes": _bytes(entry, token),
+            "top_logprobs": [{**top, "token": _named(top), "bytes": _bytes(top, _named(top))} for top in tops]}
 
 
 def stream_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The Responses API's streamed form of entries in OpenAI's shape: token, logprob, alternatives."""
-    return [{"token": entry["token"], "logprob": entry["logprob"],
-             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]]}
+    return [{"token": _named(entry), "logprob": entry.get("logprob"),
+             "top_logprobs": [{"token": _named(top), "logprob": top.get("logprob")} for top in _alternatives(entry)]}
             for entry in entries]
 
 
@@ -98,8 +110,7 @@ def gemini_logprobs(values: list[float | None], entries: list[dict[str, Any]],
         if i < len(token_ids):
             named.setdefault("token_id", token_ids[i])
         chosen.append(_gemini_candidate(named))
-        tops.append({"candidates": [_gemini_candidate(top) for top in entry.get("top_logprobs") or ()
-                                    if isinstance(top, dict)]})
+        tops.append({"candidates": [_gemini_candidate(top) for top in _alternatives(entry)]})
     return {"topCandidates": tops, "chosenCandidates": chosen}
 
 
