@@ -11,8 +11,11 @@ end, and the log offsets of its completions; the bytes are kept in a
 its deadline (a timer asks through the control topic) the session is built (processors.session_builds:
 validated, deltas resolved, the spec's builder run, in a process pool when the app has one) and the
 Trajectory is sent → when the broker has acknowledged it, the agent (before its next record: the tables
-have one writer) deletes the session's entries and remembers its id in ``built`` (late or replayed
-records of a built session are dropped). Nothing is deleted before the trajectory is on the broker, so
+have one writer) deletes the session's entries and remembers its id in ``built``, with the last completion
+offset its trajectory holds. A replayed record of a built session is dropped (``late``); a completion past
+that offset is a call made after the build (a session with no spec built at its idle deadline, then
+resumed): it is in no trajectory, so it is dead-lettered as ``late_call`` with the reason, never dropped
+unseen (``rollwire rebuild`` builds the session whole from the log). Nothing is deleted before the trajectory is on the broker, so
 a crash at any point leads to a rebuild from the same inputs, i.e. the same trajectory event id, which
 readers de-duplicate.
 """
@@ -73,7 +76,7 @@ class Record(Protocol):
 class Tables:
     open: Table  # session id -> OpenSession
     specs: Table  # session id -> SpecFacts
-    built: Table  # session id -> trajectory event id
+    built: Table  # session id -> trajectory event id, and "@" the last completion offset it holds (built_entry)
 
 
 @dataclass
@@ -113,6 +116,25 @@ class Outputs:
     log_ends: Callable[[list[tuple[str, int]]], Awaitable[dict[tuple[str, int], int]]] | None = None
 
 
+def built_value(event_id: str, upto: int | None) -> bytes:
+    """A ``built`` table value: the trajectory's event id, and the last completion offset it holds."""
+    return event_id.encode() if upto is None else f"{event_id}@{upto}".encode()
+
+
+def built_entry(value: bytes) -> tuple[str, int | None]:
+    """A ``built`` value read back: (event id, last completion offset or None: written before the offset
+    was kept, when every later record of the session counts as late)."""
+    text = value.decode("utf-8", errors="replace")
+    event_id, _, upto = text.partition("@")
+    return event_id, int(upto) if upto.lstrip("-").isdigit() else None
+
+
+def _late_reason(session_id: str, event_id: str, upto: int, partition: int) -> str:
+    return (f"a call of session {session_id!r} made after the session was built (trajectory {event_id}, which "
+            f"holds its calls up to offset {upto} of partition {partition}): in no trajectory online; "
+            "`rollwire rebuild` builds the session whole from the log")
+
+
 class SessionAggregator:
     """Per-record handling, the control records, and the deadline scan the timer runs."""
 
@@ -134,6 +156,9 @@ class SessionAggregator:
         self.progress = InputProgress(settle_s, clock_skew_s)
         self.payloads = PayloadCache(cache_bytes)  # derived: the log is the fallback
         self.in_flight: set[str] = set()  # built and sent, not yet acknowledged (derived; reset on rebalance)
+        self._built_upto: dict[str, int] = {}  # in flight: the last completion offset its build holds
+        # Calls a session took while its build was in flight, in no trajectory: dead-lettered next.
+        self._late_refs: list[tuple[str, str, int, list[CallRef]]] = []
         self._asked: dict[str, float] = {}  # control records recently sent, to not repeat them every tick
         # Trajectories the broker has acknowledged, (session id, partition, event id), not yet forgotten
         # by the agent (which does so before its next record; see trajectory_recorded).
@@ -157,7 +182,7 @@ class SessionAggregator:
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
         self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
                          "read_back": 0, "lost": 0, "unresolved": 0, "build_failures": 0,
-                         "calls_after_build": 0, "ends_asked": 0}
+                         "calls_after_build": 0, "ends_asked": 0, "late_calls": 0}
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -183,6 +208,8 @@ class SessionAggregator:
         try:
             if self._recorded:
                 self._forget_recorded()
+            if self._late_refs:
+                await self._dead_letter_late_refs()
             await self._handle_batch(records)
         finally:
             self._handling = False
@@ -213,6 +240,8 @@ class SessionAggregator:
             session = touched.get(sid) or self._sessions().get(sid)
             # An open session is not built; only a session's first record (or a late one) asks the table.
             if session is None and sid in self.t.built:
+                if spec.topic is Topic.COMPLETIONS and await self._late_call(record, session_id, sid):
+                    continue
                 self.counters["late"] += 1  # a replay after a restart, or a record after the session was built
                 continue
             now = self.clock()
@@ -233,7 +262,8 @@ class SessionAggregator:
                 if session_id in self.in_flight:
                     self.counters["calls_after_build"] += 1
                     logger.warning("completion at %s[%d]@%d arrived after session %s was built; not in its "
-                                   "trajectory", record.topic, record.partition, record.offset, session_id)
+                                   "trajectory (dead-lettered as late_call once that is recorded)", record.topic,
+                                   record.partition, record.offset, session_id)
                 assert record.value is not None  # completion_session and peek refuse a record without one
                 self.payloads.put(record.partition, record.offset, record.value)
                 session = session.with_call(record.offset, now)
@@ -344,6 +374,7 @@ class SessionAggregator:
         job = BuildJob(session_id, session.partition, builder_name(spec),
                        facts(session_id, session, spec, partial=partial), list(calls.items()), self.source)
         self.in_flight.add(session_id)
+        self._built_upto[session_id] = max((ref.offset for ref in session.calls), default=-1)
         self.counters["trajectories"] += 1
         self.counters["partial"] += partial
         await self.builds.submit(job, self._built, self._build_failed)
@@ -390,6 +421,7 @@ class SessionAggregator:
     def on_send_failed(self, session_id: str) -> None:
         """The trajectory was not recorded: forget it was in flight so that the next tick retries."""
         self.in_flight.discard(session_id)
+        self._built_upto.pop(session_id, None)
         self._asked.pop(session_id, None)
 
     # -- control records -----------------------------------------------------------------------------
@@ -460,8 +492,16 @@ class SessionAggregator:
         """Drop a session whose trajectory is on the broker; remember its event id in ``built``."""
         sid = session_id.encode()
         self.in_flight.discard(session_id)
-        self.t.built.put(sid, event_id.encode(), partition)
-        if self._sessions().get(sid) is not None:
+        upto = self._built_upto.pop(session_id, None)
+        session = self._sessions().get(sid)
+        if upto is None and session is not None:  # built by a worker before this one (an "emitted" record)
+            upto = max((ref.offset for ref in session.calls), default=-1)
+        self.t.built.put(sid, built_value(event_id, upto), partition)
+        if session is not None and upto is not None:
+            later = [ref for ref in session.calls if ref.offset > upto]
+            if later:  # taken while the build was in flight (calls_after_build): in no trajectory
+                self._late_refs.append((session_id, event_id, upto, later))
+        if session is not None:
             self.t.open.delete(sid, partition)
             self._del_open(sid)
         self.t.specs.delete(sid, partition)
@@ -477,6 +517,8 @@ class SessionAggregator:
         """
         if self._recorded and not self._handling:  # a quiet partition's last sessions (no record to come)
             self._forget_recorded()
+            if self._late_refs:
+                await self._dead_letter_late_refs()
         now = self.clock()
         if self.progress.active_since is None:
             self.progress.active_since = now
@@ -522,8 +564,10 @@ class SessionAggregator:
             self.payloads.retain(partitions)
             # Still true of the partitions kept: forgotten by the first record handled after the recovery.
             self._recorded = [entry for entry in self._recorded if entry[1] in partitions]
+            self._late_refs = [entry for entry in self._late_refs if entry[3][0].partition in partitions]
         self.progress.reset()
         self.in_flight.clear()
+        self._built_upto.clear()
         self._asked.clear()
         self._waiting.clear()
         self.ends_wanted.clear()
@@ -556,6 +600,34 @@ class SessionAggregator:
         self._sessions().pop(sid, None)
 
     # -- dead letters --------------------------------------------------------------------------------
+
+    async def _late_call(self, record: Record, session_id: str, sid: bytes) -> bool:
+        """Dead-letter a completion of a built session made after its build (past the last offset its
+        trajectory holds); False for a replay of one it holds, or when that offset is not known."""
+        event_id, upto = built_entry(self.t.built.get(sid) or b"")
+        if upto is None or record.offset <= upto:
+            return False
+        self.counters["late_calls"] += 1
+        await self._dead_letter(record, "late_call", _late_reason(session_id, event_id, upto, record.partition))
+        return True
+
+    async def _dead_letter_late_refs(self) -> None:
+        """Dead-letter the calls sessions took while their builds were in flight (see _forget_built)."""
+        pending, self._late_refs = self._late_refs, []
+        for session_id, event_id, upto, refs in pending:
+            values = {ref: self.payloads.get(ref.partition, ref.offset) for ref in refs}
+            missing = [ref.offset for ref, value in values.items() if value is None]
+            if missing:
+                found = await self.out.read_completions(refs[0].partition, missing)
+                values.update({ref: found.get(ref.offset) for ref in refs if values[ref] is None})
+            for ref, value in values.items():
+                self.payloads.discard(ref.partition, ref.offset)
+                if value is None:
+                    self.counters["lost"] += 1
+                    continue
+                self.counters["late_calls"] += 1
+                await self._dead_letter_value(session_id, ref, value, EventDecodeError("late_call", _late_reason(
+                    session_id, event_id, upto, ref.partition)))
 
     async def _dead_letter(self, record: Record, error_type: str, reason: str) -> None:
         self.counters["dead_lettered"] += 1

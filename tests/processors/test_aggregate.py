@@ -10,10 +10,13 @@ and a call whose parent is missing is dead-lettered with the calls resting on it
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
-from processors.aggregate import Outputs, SessionAggregator, Tables
+import orjson
+
+from processors.aggregate import Outputs, SessionAggregator, Tables, built_entry
 from processors.payloads import PayloadCache
 from processors.progress import InputProgress
 from processors.open_sessions import CallRef, OpenSession
@@ -537,7 +540,7 @@ async def test_a_recorded_trajectory_is_forgotten_before_the_next_record_and_its
     assert "r1" in aggregator.in_flight and b"r1" in tables.open  # not applied by the callback itself
     await aggregator.handle(_records(other, kafka, offset_base=50)[0])
     assert "r1" not in aggregator.in_flight and b"r1" not in tables.open and b"r1" not in tables.specs
-    assert tables.built[b"r1"] == trajectory.event_id.encode()
+    assert built_entry(tables.built[b"r1"]) == (trajectory.event_id, 2)  # and its last call's offset
     await aggregator.handle(records[2])  # a replayed completion of the built session
     assert aggregator.counters["late"] == 1 and len(kafka.trajectories) == 1
 
@@ -565,7 +568,7 @@ async def test_the_timer_forgets_recorded_trajectories_only_between_records() ->
     await aggregator.tick({1})
     aggregator.flush(lambda partition: True)
     assert "r3" not in aggregator.in_flight and b"r3" not in tables.open
-    assert tables.built[b"r3"] == kafka.trajectories[0].event_id.encode()
+    assert built_entry(tables.built[b"r3"])[0] == kafka.trajectories[0].event_id
 
 
 async def test_malformed_control_records_are_ignored_and_the_session_still_builds() -> None:
@@ -619,3 +622,73 @@ async def test_a_quiet_session_with_a_spec_waits_for_its_timeout_not_the_idle_de
     await aggregator.handle(Rec(CONTROL, 1, 200, b'{"kind": "deadline", "session_id": "quiet"}', b"quiet"))
     [trajectory] = [t for t in kafka.trajectories if t.session_id == "quiet"]
     assert trajectory.partial and [_traces(trajectory)] == [_traces(expected(with_spec))]
+
+
+def _idle_aggregator(kafka: FakeKafka, tables: Tables, clock: list[float]) -> tuple[SessionAggregator, list[DeadLetter]]:
+    """An aggregator on a clock the test moves, its dead letters kept."""
+    aggregator = _aggregator(tables, kafka, clock=lambda: clock[0])
+    aggregator.progress.active_since = 0.0
+    letters: list[DeadLetter] = []
+
+    async def send_dead_letter(letter: DeadLetter) -> None:
+        letters.append(letter)
+
+    async def send_control(session_id: str, partition: int, record: dict) -> None:
+        pass
+
+    aggregator.out.send_dead_letter = send_dead_letter
+    aggregator.out.send_control = send_control
+    return aggregator, letters
+
+
+async def _build_at_idle_deadline(aggregator: SessionAggregator, clock: list[float], session_id: str) -> None:
+    clock[0] += 601  # idle for longer than idle_s: due
+    await aggregator.tick({1})
+    await aggregator.handle(Rec(CONTROL, 1, 900, orjson.dumps({"kind": "deadline", "session_id": session_id}),
+                                session_id.encode()))
+
+
+async def test_a_call_after_a_session_was_built_is_dead_lettered_and_its_replays_stay_late() -> None:
+    """A session with no spec is built at its idle deadline; when its harness comes back, the calls it makes
+    are in no trajectory online. They are dead-lettered as ``late_call`` with the reason (a rebuild from the
+    log builds the session whole), never dropped unseen; a replayed call the trajectory holds stays late."""
+    clock = [1000.0]
+    kafka, tables = FakeKafka(), _tables()
+    aggregator, letters = _idle_aggregator(kafka, tables, clock)
+    calls = _records(linear_session("back", turns=4, seed=43, ended=False), kafka)[1:]  # no spec
+    for record in calls[:2]:
+        await aggregator.handle(record)
+    await _build_at_idle_deadline(aggregator, clock, "back")
+    (trajectory,) = kafka.trajectories
+    assert trajectory.partial and trajectory.stats.completions == 2
+    aggregator.trajectory_recorded("back", 1, trajectory.event_id)
+    for record in (calls[2], calls[0], calls[3]):  # a new call, a replay of a built one, a new call
+        await aggregator.handle(record)
+    assert [(letter.offset, letter.error_type) for letter in letters] == [(2, "late_call"), (3, "late_call")]
+    assert trajectory.event_id in letters[0].reason and "rollwire rebuild" in letters[0].reason
+    assert base64.b64decode(letters[0].payload) == calls[2].value  # the call itself, as recorded
+    assert aggregator.counters["late"] == 1 and aggregator.counters["late_calls"] == 2
+    assert len(kafka.trajectories) == 1 and b"back" not in tables.open
+
+
+async def test_a_call_taken_while_its_session_was_being_built_is_dead_lettered_once_that_is_recorded() -> None:
+    """A call that arrives between a session's build and the broker's ack of its trajectory is held by the
+    session but is not in the trajectory: when the session is forgotten, it is dead-lettered."""
+    clock = [1000.0]
+    kafka, tables = FakeKafka(), _tables()
+    aggregator, letters = _idle_aggregator(kafka, tables, clock)
+    calls = _records(linear_session("busy", turns=3, seed=44, ended=False), kafka)[1:]
+    other = _records(linear_session("other", turns=1, seed=45, ended=False), kafka, offset_base=50)[1:]
+    for record in calls[:2]:
+        await aggregator.handle(record)
+    await _build_at_idle_deadline(aggregator, clock, "busy")
+    (trajectory,) = kafka.trajectories
+    await aggregator.handle(calls[2])  # in flight: taken by the session, not in its trajectory
+    assert aggregator.counters["calls_after_build"] == 1 and letters == []
+    aggregator.trajectory_recorded("busy", 1, trajectory.event_id)
+    await aggregator.handle(other[0])  # the agent's next record: the session is forgotten first
+    assert [(letter.offset, letter.error_type) for letter in letters] == [(2, "late_call")]
+    assert base64.b64decode(letters[0].payload) == calls[2].value
+    assert built_entry(tables.built[b"busy"]) == (trajectory.event_id, 1)
+    await aggregator.handle(calls[2])  # replayed after a restart: dead-lettered again, never built
+    assert [letter.offset for letter in letters] == [2, 2] and len(kafka.trajectories) == 1
