@@ -4,7 +4,8 @@ The proxy ends every reply only once the broker has its completion event (durabl
 costs at best on this machine is what a bare producer pays for the same thing: :class:`KafkaFloor` writes
 the very records the proxy wrote (read back from its completions topic), ``burst`` of them at once, as
 ``burst`` streams ending together would, through producers set up as the proxy's are (aiokafka,
-``acks=all``, idempotent, zstd, no linger, as many producers as ``ROLLWIRE_CAPTURE_PRODUCERS``' default,
+``acks=all``, idempotent, zstd or the topic's compression as the proxy settles it (``compress``), no linger,
+as many producers as ``ROLLWIRE_CAPTURE_PRODUCERS``' default,
 each record to the producer its key picks), to a scratch topic. Each record's time from send to ack is
 one sample: the capture stage's floor, beside the proxy's own figure in the same run
 (:mod:`bench.proxy_overhead`).
@@ -52,11 +53,12 @@ async def read_records(kafka: KafkaSettings, want: int, timeout_s: float = 30.0)
 class KafkaFloor:
     """Producers set up as the proxy's, writing bursts of captured records to ``topic``."""
 
-    def __init__(self, kafka: KafkaSettings, topic: str, producers: int | None = None) -> None:
+    def __init__(self, kafka: KafkaSettings, topic: str, producers: int | None = None, compress: bool = True) -> None:
         count = producers or ProxySettings.model_fields["capture_producers"].default
         self.topic = topic
+        self.compress = compress
         self._producers = [AIOKafkaProducer(bootstrap_servers=kafka.kafka_bootstrap, acks="all",
-                                            enable_idempotence=True, compression_type="zstd",
+                                            enable_idempotence=True, compression_type="zstd" if compress else None,
                                             max_request_size=kafka.max_message_bytes, max_batch_size=DEFAULT_BATCH_BYTES,
                                             linger_ms=kafka.kafka_linger_ms) for _ in range(count)]
         self.ack_s: list[float] = []

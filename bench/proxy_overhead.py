@@ -39,6 +39,8 @@ from bench.kafka_floor import KafkaFloor, read_records
 from bench.machine_cpu import CpuMeter, kafka_broker_pids, process_cpu_s
 from bench.peers import Peer, PeerMissing, start_litellm, start_nginx
 from deploy.kafka import KafkaBroker, KafkaConfig
+from proxy.capture import settle_compression
+from proxy.settings import ProxySettings
 from schemas.topics import Topic
 from schemas.transport import KafkaSettings, broker_answers, ensure_topics
 
@@ -143,7 +145,11 @@ async def run(args: argparse.Namespace) -> None:
     await ensure_topics(kafka)
     floor_kafka = KafkaSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix.rstrip(".") + "f.")
     await ensure_topics(floor_kafka)
-    floor = KafkaFloor(floor_kafka, floor_kafka.registry().name(Topic.COMPLETIONS))
+    # Compressed as the proxy's own events are (ROLLWIRE_CAPTURE_COMPRESSION, `auto` settled on this broker).
+    compression = ProxySettings().capture_compression
+    if compression == "auto":
+        compression = await settle_compression(floor_kafka, 30.0)
+    floor = KafkaFloor(floor_kafka, floor_kafka.registry().name(Topic.COMPLETIONS), compress=compression == "producer")
 
     standin_port, proxy_port = _free_port(), _free_port()
     standin = _spawn(["-m", "bench.standin_engine", "--port", str(standin_port), "--latency-ms", "20",
@@ -306,6 +312,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"ack_share_of_added_p50={stages['capture'] / added_p50 if added_p50 > 0 else float('nan'):.2f}")
     if floor.ack_s:
         # A bare producer's ack for the same records, `concurrency` at once: what capture costs at best here.
+        print(f"kafka_floor_compressed_by={'producer' if floor.compress else 'broker'}")
         print(f"kafka_floor_records={len(floor.ack_s)} kafka_floor_record_kb_mean="
               f"{statistics.mean(len(r.value) for r in captured) / 1024:.1f}")
         print(f"kafka_floor_ack_mean_ms={statistics.mean(floor.ack_s) * 1000:.2f} "

@@ -156,8 +156,13 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         metrics = ProxyMetrics()
         registry = SessionRegistry()
         recorder = Recorder(kafka, settings.capture_timeout_s, settings.capture_producers,
-                            on_outage_end=metrics.capture_outages.observe)
+                            on_outage_end=metrics.capture_outages.observe, compression=settings.capture_compression)
         metrics.capture_failing.set_function(lambda: float(recorder.failing_since is not None))
+        def compressed_by(by: str) -> Callable[[], float]:
+            return lambda: float(recorder.compression == by)
+
+        for by in ("producer", "broker", "auto"):
+            metrics.capture_compression.labels(by=by).set_function(compressed_by(by))
         engine = VllmEngine(settings, transport=engine_transport)
         policy = Policy(WeightApi(engine.client, settings.weight_update_timeout_s), recorder, metrics,
                         engine.served_model, settings.policy_floor_wait_s)

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from proxy.engine import EngineTurn, packed_token_ids
 from proxy.errors import CaptureFailed, ProxyError, UnrecordableEvent
+from proxy.settings import CaptureCompression
 from proxy.stages import StageTimes
 from schemas.arrays import Logprobs, TokenIds
 from schemas.completions import (
@@ -47,7 +48,8 @@ from schemas.completions import (
     Usage,
 )
 from schemas.envelope import Event, utcnow
-from schemas.transport import EventProducer, KafkaSettings
+from schemas.topics import Topic
+from schemas.transport import EventProducer, KafkaAdmin, KafkaSettings
 from schemas.transport.errors import EventTooLargeError, TransportError
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,17 @@ def _prompt_ids(turn: EngineTurn) -> TokenIds:
     return packed_token_ids(turn.prompt_token_ids)
 
 
+async def settle_compression(settings: KafkaSettings, timeout_s: float) -> Literal["broker", "producer"]:
+    """What ``capture_compression=auto`` means on this cluster: ``producer`` when the completions topic
+    keeps batches as producers send them (``compression.type=producer``, a topic created before the
+    registry set zstd), else ``broker`` (the topic compresses, or is meant to be uncompressed).
+    TransportError when the broker does not say."""
+    async with KafkaAdmin(settings.kafka_bootstrap, client_id=f"{settings.kafka_client_id}-proxy",
+                          timeout_s=timeout_s) as admin:
+        codec = await admin.topic_config(settings.registry().name(Topic.COMPLETIONS), "compression.type")
+    return "producer" if codec in (None, "producer") else "broker"
+
+
 class Recorder:
     """Writes the proxy's events (completions, ad-hoc session specs) and waits for the broker's ack.
 
@@ -160,14 +173,19 @@ class Recorder:
     one produce request in flight per broker, so under many concurrent calls their acks queue behind each
     other; with several producers several requests are in flight. An event goes to the producer its key
     picks, so a session's events (the key of completions) keep their order through one producer.
+    ``compression`` (``ROLLWIRE_CAPTURE_COMPRESSION``): whether the producers compress with zstd or leave
+    it to the broker (see ProxySettings.capture_compression).
     """
 
     def __init__(self, settings: KafkaSettings, timeout_s: float, producers: int = 1,
-                 on_outage_end: Callable[[float], None] | None = None) -> None:
+                 on_outage_end: Callable[[float], None] | None = None,
+                 compression: CaptureCompression = "producer") -> None:
         if producers < 1:
             raise ValueError(f"a recorder needs at least one producer, got {producers}")
         self.settings = settings
         self.timeout_s = timeout_s
+        self.compression: CaptureCompression = compression  # `auto` is settled by the first producer
+        self._settling = asyncio.Lock()
         self._producers: list[EventProducer | None] = [None] * producers
         self._locks = [asyncio.Lock() for _ in range(producers)]
         self.recorded = 0
@@ -200,10 +218,26 @@ class Recorder:
         async with self._locks[slot]:
             producer = self._producers[slot]
             if producer is None:
-                producer = EventProducer(self.settings, service="proxy")
+                producer = EventProducer(self.settings, service="proxy", compress=await self._compresses())
                 await asyncio.wait_for(producer.start(), self.timeout_s)
                 self._producers[slot] = producer
             return producer
+
+    async def _compresses(self) -> bool:
+        """Whether the producers compress (ProxySettings.capture_compression). ``auto`` asks the broker
+        how the completions topic compresses, once it answers; until then the producers compress, so a
+        topic that keeps batches as the producer sends them is never filled uncompressed."""
+        async with self._settling:
+            if self.compression == "auto":
+                try:
+                    self.compression = await asyncio.wait_for(settle_compression(self.settings, self.timeout_s),
+                                                              self.timeout_s)
+                except (TransportError, TimeoutError, OSError) as exc:
+                    logger.warning("cannot read the completions topic's compression.type (%s): this producer "
+                                   "compresses", exc)
+                    return True
+                logger.info("captured events are compressed by the %s", self.compression)
+            return self.compression == "producer"
 
     async def start(self) -> None:
         """Connect now if Kafka is there; if not, the first record() tries again."""

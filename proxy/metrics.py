@@ -39,6 +39,9 @@ class ProxyMetrics:
             "meanwhile.", buckets=_PAUSE_BUCKETS, registry=self.registry)
         self.capture_failing = Gauge("rollwire_proxy_capture_failing", "1 while captures fail (an outage "
                                      "not over yet), else 0.", registry=self.registry)
+        self.capture_compression = Gauge(
+            "rollwire_proxy_capture_compression", "1 for who compresses captured events (by: producer, broker, "
+            "or auto while not settled yet: ROLLWIRE_CAPTURE_COMPRESSION).", ["by"], registry=self.registry)
         self.events = Counter("rollwire_proxy_completion_events", "Completion events recorded, by status.",
                               ["status"], registry=self.registry)
         self.continuations = Counter(

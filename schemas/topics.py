@@ -19,6 +19,13 @@ MAX_MESSAGE_BYTES: int = 8 * 1024 * 1024
 # (a topic's max.message.bytes, the broker's, the consumer's fetch sizes) leaves this much room, so that
 # a record of exactly MAX_MESSAGE_BYTES still fits.
 FRAMING_BYTES: int = 64 * 1024
+# The compression.type of the topics the proxy writes (completions, and the specs of ad-hoc sessions):
+# the broker compresses the batches the proxy sends uncompressed, off the proxy's event loop, and keeps
+# batches that arrive as zstd as they are (proxy.settings capture_compression). Every other topic keeps
+# its producers' batches as they come ("producer"): those compress their own (zstd, the workers snappy),
+# and a broker would recompress a snappy batch on a zstd topic. Topics created before this say
+# "producer" everywhere; the proxy then compresses itself.
+BROKER_COMPRESSION: str = "zstd"
 
 DEFAULT_PREFIX: str = "rollwire."
 DEFAULT_SESSION_PARTITIONS: int = 8
@@ -62,6 +69,8 @@ class TopicSpec:
     retention_ms: int = -1
     event_types: frozenset[str] = field(default_factory=frozenset)
     """Event types allowed on this topic; anything else is dead-lettered by consumers."""
+    compression: str = "producer"
+    """Its compression.type: ``producer`` (batches kept as they come) or BROKER_COMPRESSION."""
 
     def configs(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, str]:
         """Topic-level broker configs (strings, as the admin API wants them)."""
@@ -70,8 +79,7 @@ class TopicSpec:
             "max.message.bytes": str(max_message_bytes + FRAMING_BYTES),
             "cleanup.policy": "compact" if self.compacted else "delete",
             "retention.ms": str(self.retention_ms),
-            # Producers already compress with zstd; keep the producer's batches as they are.
-            "compression.type": "producer",
+            "compression.type": self.compression,
         }
         return configs
 
@@ -107,14 +115,14 @@ class TopicRegistry:
             case Topic.SESSIONS:
                 # Compacted: the latest spec per session is the registry the proxy reads.
                 return TopicSpec(topic, name, KeyedBy.SESSION_ID, s, compacted=True,
-                                 event_types=frozenset({"session.spec"}))
+                                 event_types=frozenset({"session.spec"}), compression=BROKER_COMPRESSION)
             case Topic.SESSION_EVENTS:
                 return TopicSpec(topic, name, KeyedBy.SESSION_ID, s, retention_ms=-1,
                                  event_types=frozenset({"session.stage", "session.ended"}))
             case Topic.COMPLETIONS:
                 # Kept forever by default: the completion log is the source every view is rebuilt from.
                 return TopicSpec(topic, name, KeyedBy.SESSION_ID, s, retention_ms=-1,
-                                 event_types=frozenset({"completion"}))
+                                 event_types=frozenset({"completion"}), compression=BROKER_COMPRESSION)
             case Topic.EVALUATIONS:
                 return TopicSpec(topic, name, KeyedBy.SESSION_ID, s, retention_ms=-1,
                                  event_types=frozenset({"evaluation"}))

@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     GroupCoordinatorNotAvailableError,
     GroupLoadInProgressError,
@@ -58,6 +59,7 @@ class ExtraTopic:
     partitions: int
     retention_ms: int = -1
     compacted: bool = False
+    compression: str = "producer"
 
     def __post_init__(self) -> None:
         if self.partitions < 1:
@@ -65,8 +67,9 @@ class ExtraTopic:
 
     @classmethod
     def like(cls, spec: TopicSpec, name: str | None = None) -> ExtraTopic:
-        """A registry topic's partitions, retention and clean-up policy, under ``name`` (default: its own)."""
-        return cls(name or spec.name, spec.partitions, spec.retention_ms, spec.compacted)
+        """A registry topic's partitions, retention, clean-up policy and compression, under ``name``
+        (default: its own)."""
+        return cls(name or spec.name, spec.partitions, spec.retention_ms, spec.compacted, spec.compression)
 
     def configs(self, max_message_bytes: int = MAX_MESSAGE_BYTES, min_insync_replicas: int = 1) -> dict[str, str]:
         """Topic-level broker configs, the same keys as :meth:`schemas.topics.TopicSpec.configs`, and the
@@ -76,7 +79,7 @@ class ExtraTopic:
             "max.message.bytes": str(max_message_bytes + FRAMING_BYTES),
             "cleanup.policy": "compact" if self.compacted else "delete",
             "retention.ms": str(self.retention_ms),
-            "compression.type": "producer",
+            "compression.type": self.compression,
             # With acks=all, an acknowledged write is on this many replicas; fewer in sync refuse writes.
             "min.insync.replicas": str(min_insync_replicas),
             # Kafka's default, stated: a replica that missed acknowledged writes never becomes leader.
@@ -169,6 +172,24 @@ class KafkaAdmin:
             raise TransportError(f"Kafka at {self.bootstrap} cannot describe {name}: {for_code(code).__name__}")
         return sorted((PartitionState(p["partition"], p["leader"], tuple(p["replicas"]), tuple(p["isr"]))
                        for p in described["partitions"]), key=lambda state: state.partition)
+
+    async def topic_config(self, name: str, key: str) -> str | None:
+        """The value of topic config ``key`` of topic ``name`` as the broker applies it (set on the topic,
+        or the broker's default); None when the broker does not report it."""
+        try:
+            (response,) = await self._admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name, {key: None})])
+        except KafkaError as exc:
+            raise TransportError(f"Kafka at {self.bootstrap} did not describe {name}'s configs: {exc!r}") from exc
+        for error_code, error_message, _type, resource, entries in response.resources:
+            if resource != name:
+                continue
+            if error_code:
+                raise TransportError(f"Kafka at {self.bootstrap} cannot describe {name}'s configs: "
+                                     f"{for_code(error_code).__name__} {error_message or ''}".rstrip())
+            for entry in entries:
+                if entry[0] == key:
+                    return entry[1]
+        return None
 
     async def broker_ids(self) -> list[int]:
         """The node ids of the brokers the cluster reports as alive (registered and not fenced)."""

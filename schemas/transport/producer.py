@@ -1,4 +1,4 @@
-"""The event producer: idempotent, acks=all, zstd, keyed by each event's own key.
+"""The event producer: idempotent, acks=all, zstd (or the topic's compression), keyed by each event's own key.
 
 ``send`` returns only once the broker has the event (durable capture); ``send_many`` pipelines a batch
 and returns when all of them are acknowledged. aiokafka errors surface as :class:`PublishError`. Every
@@ -35,12 +35,15 @@ def default_source(service: str) -> str:
 class EventProducer:
     """Writes rollwire events to their topics.
 
-    Delivery: ``acks="all"`` with idempotence on, so a retried batch is never written twice; records are
-    compressed with zstd. Use as ``async with EventProducer(settings) as producer``.
+    Delivery: ``acks="all"`` with idempotence on, so a retried batch is never written twice. Batches are
+    compressed with zstd here, or with ``compress=False`` sent as they are for the broker to compress
+    (the proxy's topics compress with zstd: schemas.topics.BROKER_COMPRESSION). Use as
+    ``async with EventProducer(settings) as producer``.
     """
 
     def __init__(self, settings: KafkaSettings, *, service: str = "rollwire",
-                 transactional_id: str | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+                 transactional_id: str | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 compress: bool = True) -> None:
         self.settings = settings
         self.registry = settings.registry()
         self.source = default_source(service)
@@ -50,7 +53,7 @@ class EventProducer:
             acks="all",
             enable_idempotence=True,
             transactional_id=transactional_id,
-            compression_type="zstd",
+            compression_type="zstd" if compress else None,
             max_request_size=settings.max_message_bytes,
             max_batch_size=batch_bytes,
             linger_ms=settings.kafka_linger_ms,

@@ -16,6 +16,8 @@ from schemas.sessions import SessionSpec
 from schemas.tasks import EngineParams
 from schemas.transport.admin import ensure_topics
 from schemas.transport import EventProducer, KafkaSettings
+from schemas.topics import Topic
+from tests.kafka_batches import stored_codecs
 from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import free_port, serve
 
@@ -120,3 +122,21 @@ async def test_client_hanging_up_mid_stream_is_recorded(kafka: KafkaSettings, st
         [event] = await proxy.completions(1)
         assert event.status == "error" and event.error.kind == "client_disconnected"
         assert event.prompt_token_ids is not None
+
+
+async def test_captured_events_are_compressed_by_the_broker(proxy: ProxyUnderTest) -> None:
+    """On the registry's topics (compression.type=zstd) ``capture_compression=auto`` leaves compression to
+    the broker: the proxy sends its events as they are, and the log holds them compressed."""
+    session = proxy.new_session(session_id="compressed-1")
+    chat = f"{session['base_urls']['openai']}/chat/completions"
+    trace = "Traceback (most recent call last):\n" + '  File "app/models.py", line 10, in save\n' * 300
+    response = httpx.post(chat, json={"messages": [{"role": "user", "content": trace}]}, headers=auth(session),
+                          timeout=30)
+    assert response.status_code == 200, response.text
+    [event] = await proxy.completions(1)
+    assert event.session_id == "compressed-1"
+    assert _metric(proxy.url, 'rollwire_proxy_capture_compression{by="broker"}') == 1.0
+    assert _metric(proxy.url, 'rollwire_proxy_capture_compression{by="producer"}') == 0.0
+    stored = await stored_codecs(proxy.kafka.kafka_bootstrap, proxy.kafka.registry().name(Topic.COMPLETIONS),
+                                 proxy.kafka.session_partitions)
+    assert stored and set(stored) == {"zstd"}, stored
