@@ -3,7 +3,8 @@
 One run starts the project's Kafka (or uses ``ROLLWIRE_KAFKA_BOOTSTRAP``), the stand-in engine (fixed
 20 ms latency, recorded vLLM stream shapes, about 4 bytes per token), and the proxy with durable capture
 (every reply's end waits for Kafka's ack). N concurrent clients stream realistic 30–50 KB harness
-requests, rounds alternating between the paths so that all see the same machine noise. With ``--peers``
+requests, rounds alternating between the paths so that all see the same machine noise, each round started
+once the machine is at rest (``quiet_wait_*``: how long that took). With ``--peers``
 the paths also include a bare nginx reverse proxy and LiteLLM's proxy in front of the same stand-in
 (:mod:`bench.peers`; one that is not installed is skipped with the reason); with ``--baseline-tree DIR``
 also the proxy of another source tree (an earlier commit), so that a change is measured against what it
@@ -43,6 +44,20 @@ from proxy.capture import settle_compression
 from proxy.settings import ProxySettings
 from schemas.topics import Topic
 from schemas.transport import KafkaSettings, broker_answers, ensure_topics
+
+
+async def _quiet(meter: CpuMeter, busy_below: float = 0.15, window_s: float = 0.1, limit_s: float = 3.0) -> float:
+    """Wait until the machine has been quiet for a window (at most ``limit_s``); returns the wait.
+
+    Each path's round starts on a machine at rest: a peer's own after-work (LiteLLM went on spending CPU
+    after its replies were done) would otherwise fall on the round after it, whatever path that is."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        sample = meter.sample()
+        await asyncio.sleep(window_s)
+        if meter.since(sample).busy < busy_below:
+            break
+    return time.monotonic() - started
 
 
 def _free_port() -> int:
@@ -173,6 +188,7 @@ async def run(args: argparse.Namespace) -> None:
                            "ROLLWIRE_SERVED_MODEL": "rollwire-tiny"}, args.log_prefix + "baseline.log",
                           cwd=args.baseline_tree)
     peers: list[Peer] = []
+    quiet_waits: list[float] = []  # before each round, waiting for the machine to be at rest
     try:
         _wait_http(f"http://127.0.0.1:{standin_port}/health")
         _wait_http(f"http://127.0.0.1:{proxy_port}/health")
@@ -240,6 +256,7 @@ async def run(args: argparse.Namespace) -> None:
             machine = {name: [0.0, 0.0, 0.0, 0.0, 0.0] for name in paths}  # wall, machine, client, standin, broker
             for _ in range(args.rounds):
                 for name, targets in paths.items():
+                    quiet_waits.append(await _quiet(meter))
                     process = cpu_of.get(name)
                     cpu = process_cpu_s(process.pid) if process is not None else 0.0
                     sample = meter.sample()
@@ -274,6 +291,7 @@ async def run(args: argparse.Namespace) -> None:
     direct_rps = len(d) / elapsed["direct"]
     print(f"concurrency={args.concurrency}")
     print(f"requests_per_path={len(d)}")
+    print(f"quiet_wait_mean_ms={statistics.mean(quiet_waits) * 1000:.0f} quiet_wait_max_ms={max(quiet_waits) * 1000:.0f}")
     print(f"request_kb_mean={statistics.mean(len(b) for b in bodies) / 1024:.1f}")
     print(f"direct_p50_ms={_pct(d, 0.5):.2f}")
     print(f"direct_p99_ms={_pct(d, 0.99):.2f}")

@@ -158,6 +158,7 @@ def create_app(settings: ProxySettings | None = None, kafka: KafkaSettings | Non
         recorder = Recorder(kafka, settings.capture_timeout_s, settings.capture_producers,
                             on_outage_end=metrics.capture_outages.observe, compression=settings.capture_compression)
         metrics.capture_failing.set_function(lambda: float(recorder.failing_since is not None))
+
         def compressed_by(by: str) -> Callable[[], float]:
             return lambda: float(recorder.compression == by)
 
