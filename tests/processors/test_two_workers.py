@@ -91,7 +91,10 @@ def _content(trajectory: Trajectory) -> dict:
     return trajectory.model_dump(mode="json", exclude={"emitted_at", "source"})
 
 
-async def test_two_workers_with_a_rebalance_mid_stream(kafka, tmp_path) -> None:
+# The agent flushes every ``batch_records`` records without waiting for the broker (processors.app
+# flush_behind); at 5 its flushes are in flight across the join and the stop, not only the timer's.
+@pytest.mark.parametrize("batch_records", ["1000", "5"])
+async def test_two_workers_with_a_rebalance_mid_stream(kafka, tmp_path, batch_records: str) -> None:
     plans = [linear_session(f"r{i}", turns=3 + i % 5, seed=200 + i, branch_at=3 if i % 4 == 0 else None,
                             builder="per_request" if i % 6 == 0 else "prefix_merging") for i in range(SESSIONS)]
     # Written as the proxy writes them (deltas on their parents); expected() builds from the full ones.
@@ -99,7 +102,8 @@ async def test_two_workers_with_a_rebalance_mid_stream(kafka, tmp_path) -> None:
     assert sum(is_delta(c) for p in sent for c in p.completions) > SESSIONS
     app_id = f"processors-{uuid.uuid4().hex[:6]}"
     env = {"ROLLWIRE_PROCESSORS_IDLE_S": "600", "ROLLWIRE_PROCESSORS_SESSION_TIMEOUT_S": "6",
-           "ROLLWIRE_PROCESSORS_CACHE_MB": "0"}  # every payload read back from the log: the move's hard case
+           "ROLLWIRE_PROCESSORS_CACHE_MB": "0",  # every payload read back from the log: the move's hard case
+           "ROLLWIRE_PROCESSORS_BATCH_RECORDS": batch_records}
     first = WorkerProcess(kafka, tmp_path / "first", app_id=app_id, extra_env=env)
     second = WorkerProcess(kafka, tmp_path / "second", app_id=app_id, extra_env=env)
     first.start()
