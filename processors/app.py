@@ -160,11 +160,6 @@ aggregator = SessionAggregator(
 
 # Records handled whose effect on the tables is still only in memory: acknowledged after the next flush.
 unflushed: list[faust.EventT] = []
-# The agent's flushes waiting for the broker before they acknowledge their records (flush_behind), and
-# the first of them that failed (raised in the agent).
-acknowledging: set[asyncio.Task[None]] = set()
-acknowledge_failed: list[BaseException] = []
-MAX_ACKNOWLEDGING = 2
 # How many times partitions were revoked or assigned (a batch handled across one is dropped, see sessions).
 assignments = [0]
 # Assigned, tables not recovered yet (set by _assigned, cleared when Faust says recovery is complete).
@@ -187,49 +182,8 @@ async def flush() -> None:
     broker, a record's effect could be missing from the table the partition's next owner recovers while
     the record itself is never read again (seen in a two-worker rebalance: completions lost).
     """
-    staged = _stage_flush()
-    if staged is not None:
-        await _acknowledge(*staged)
-
-
-async def flush_behind() -> None:
-    """The agent's flush (every ``batch_records``): the table writes are applied and handed to the
-    producer now, and the wait for the broker and the acknowledgements happen in a task while the agent
-    goes on with the next records; at most MAX_ACKNOWLEDGING such flushes wait at once. Waiting in the
-    agent stopped it for a produce round trip at every batch: in ``bench.pipeline`` a worker flushing
-    every 5,000 records instead of 1,000 reached 2,025 completions/s instead of 1,782.
-
-    A flush whose wait failed is raised here, in the agent, as it was when the agent waited itself."""
-    if acknowledge_failed:
-        raise acknowledge_failed[0]
-    while len(acknowledging) >= MAX_ACKNOWLEDGING:
-        await asyncio.wait(set(acknowledging), return_when=asyncio.FIRST_COMPLETED)
-    staged = _stage_flush()
-    if staged is None:
-        return
-    task = asyncio.get_running_loop().create_task(_acknowledge(*staged))
-    acknowledging.add(task)
-    task.add_done_callback(_acknowledged)
-
-
-def _acknowledged(task: asyncio.Task[None]) -> None:
-    acknowledging.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        acknowledge_failed.append(task.exception() or RuntimeError("flush failed"))
-
-
-async def settle_acknowledgements() -> None:
-    """Wait for the flushes still waiting for the broker (they acknowledge their records if the
-    partitions are still ours by then)."""
-    while acknowledging:
-        await asyncio.wait(set(acknowledging))
-
-
-def _stage_flush() -> tuple[list[faust.EventT], int] | None:
-    """Apply the buffered table writes (their changelog records go to the producer's buffer); return
-    the records they came from and the assignment they were handled in, or None when there are none."""
     if not unflushed:
-        return None
+        return
     events = list(unflushed)
     unflushed.clear()
     latest = {event.message.partition: event for event in events}
@@ -252,16 +206,10 @@ def _stage_flush() -> tuple[list[faust.EventT], int] | None:
         aggregator.flush(enter, keep=ours.__contains__)
     finally:
         _current_event.set(None)
-    return events, generation
-
-
-async def _acknowledge(events: list[faust.EventT], generation: int) -> None:
-    """Wait until the broker has every changelog record handed to the producer so far, then acknowledge
-    ``events`` unless their partitions were reassigned meanwhile (their owners read them again)."""
     await drain_changelog_buffer()
     await app.producer.flush()
     if assignments[0] != generation:
-        return
+        return  # reassigned meanwhile: the records are read again by their partitions' owners
     for event in events:
         event.ack()
 
@@ -355,7 +303,7 @@ async def sessions(stream: faust.StreamT) -> None:
         # Only now: the flush timer (which may run while the record awaits a send) acknowledges it.
         unflushed.append(event)
         if len(unflushed) >= conf.batch_records:
-            await flush_behind()
+            await flush()
 
 
 @app.timer(conf.batch_ms / 1000)
@@ -390,7 +338,6 @@ async def _ask_catch_up(actives: set[int]) -> None:
 
 @on_partitions(app.on_partitions_revoked)
 async def _revoked(revoked: set[TP]) -> None:
-    await settle_acknowledgements()  # the agent's flushes in flight acknowledge theirs while still ours
     assignments[0] += 1
     await flush()  # still ours: write what was done and acknowledge it before the offsets are committed
     recovering[0] = True  # until the next assignment's tables are recovered, records are not handled

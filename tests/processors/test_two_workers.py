@@ -91,8 +91,8 @@ def _content(trajectory: Trajectory) -> dict:
     return trajectory.model_dump(mode="json", exclude={"emitted_at", "source"})
 
 
-# The agent flushes every ``batch_records`` records without waiting for the broker (processors.app
-# flush_behind); at 5 its flushes are in flight across the join and the stop, not only the timer's.
+# The agent flushes its table writes every ``batch_records`` records (processors.app flush) as well as on
+# its timer; at 5 the agent's own flushes run across the join and the stop, not only the timer's.
 @pytest.mark.parametrize("batch_records", ["1000", "5"])
 async def test_two_workers_with_a_rebalance_mid_stream(kafka, tmp_path, batch_records: str) -> None:
     plans = [linear_session(f"r{i}", turns=3 + i % 5, seed=200 + i, branch_at=3 if i % 4 == 0 else None,
