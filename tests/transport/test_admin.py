@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
@@ -30,15 +29,6 @@ from schemas.transport.errors import TopicSetupError
 from tests.servers import free_port
 
 pytestmark = pytest.mark.kafka
-
-
-@pytest.fixture
-async def settings(kafka_bootstrap: str) -> AsyncIterator[KafkaSettings]:
-    """Settings under a fresh prefix whose topics do not exist yet (deleted afterwards)."""
-    fresh = KafkaSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=f"adm{uuid.uuid4().hex[:10]}.",
-                          session_partitions=3, task_partitions=2)
-    yield fresh
-    await delete_topics(kafka_bootstrap, fresh.topic_prefix)
 
 
 async def _topic_configs(bootstrap: str, names: list[str]) -> dict[str, dict[str, str]]:

@@ -7,9 +7,6 @@ What is checked is the stored batches' codec, as the broker hands them to a fetc
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
-
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
@@ -17,23 +14,16 @@ from proxy.capture import settle_compression
 from schemas.sessions import SessionSpec
 from schemas.topics import BROKER_COMPRESSION, Topic
 from schemas.transport import EventProducer, KafkaAdmin, KafkaSettings, TransportError
-from schemas.transport.admin import delete_topics, ensure_topics
+from schemas.transport.admin import ensure_topics
 from tests.kafka_batches import stored_codecs
 
 pytestmark = pytest.mark.kafka
+
 
 def _specs(count: int) -> list[SessionSpec]:
     # Compressible, as a harness's messages are: the same system prompt again and again.
     instruction = "Fix the failing test in the repository, then run the suite. " * 200
     return [SessionSpec(session_id=f"s-{i}", task_id="t", instruction=instruction) for i in range(count)]
-
-
-@pytest.fixture
-async def settings(kafka_bootstrap: str) -> AsyncIterator[KafkaSettings]:
-    fresh = KafkaSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=f"cmp{uuid.uuid4().hex[:10]}.",
-                          session_partitions=2, task_partitions=1)
-    yield fresh
-    await delete_topics(kafka_bootstrap, fresh.topic_prefix)
 
 
 async def _send(settings: KafkaSettings, compress: bool) -> None:
