@@ -83,7 +83,11 @@ def app_settings(kafka: KafkaSettings, *, store: str, data_dir: Path, partitions
     return {
         "broker": [f"kafka://{server.strip()}" for server in kafka.kafka_bootstrap.split(",")],
         "store": "rocksdb://" if store == "rocksdb" else "memory://",
-        "datadir": str(data_dir),
+        # One folder per app id (the topic prefix and the worker's name) under the cluster's: a table's
+        # RocksDB files are a copy of that app's changelogs only. Shared by two prefixes on one cluster,
+        # the second worker found the first one's persisted offsets beyond its own (empty) changelogs and
+        # stopped with Faust's ConsistencyError. Faust fills in ``{conf.id}``.
+        "datadir": str(data_dir / "{conf.id}"),
         "topic_partitions": partitions,
         "topic_replication_factor": kafka.replication_factor,  # the changelogs: as the deployment's topics
         "topic_disable_leader": True,  # no extra "__leader" topic: nothing here needs a leader

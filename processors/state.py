@@ -4,7 +4,9 @@ The tables are a local copy of their changelog topics, so they are only valid ag
 holds those changelogs. A broker whose data was wiped and recreated (a new local stack, a cleared
 ``ROLLWIRE_HOME/kafka``) has a new cluster id; state kept under the old id would make Faust stop with a
 ConsistencyError (persisted offsets beyond the new changelogs' ends). Keyed by cluster id, the worker
-starts clean there and recovers from the changelogs as usual.
+starts clean there and recovers from the changelogs as usual. Within it each app id (topic prefix and
+worker name) has its own folder (processors.faust_worker.app_settings): another deployment's prefix on the
+same cluster has other changelogs.
 """
 
 from __future__ import annotations

@@ -8,15 +8,20 @@ once its deadline (its spec's timeout plus the grace) passes.
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
 import pytest
 from aiokafka import AIOKafkaProducer
 
 from processors.builders import SessionFacts, build_trajectory
 from processors.rebuild import RebuildRequest, rebuild
+from processors.topics import prepare_topics
 from schemas.dead_letter import DeadLetter
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings, topic_spec
+from schemas.transport.admin import delete_topics
 from tests.processors.worker_process import SessionPlan, WorkerProcess, by_session, linear_session, read_events
 
 pytestmark = pytest.mark.kafka
@@ -109,3 +114,35 @@ async def test_sessions_become_one_trajectory_each(kafka, tmp_path) -> None:
         assert health is not None and health["dead_lettered"] == 1
     finally:
         worker.stop()
+
+
+async def test_two_topic_prefixes_on_one_cluster_keep_their_own_state(kafka_bootstrap, tmp_path) -> None:
+    """Two deployments (topic prefixes) on one cluster with the same ROLLWIRE_PROCESSORS_DATA_DIR, one after
+    the other, as `ROLLWIRE_TOPIC_PREFIX=... rollwire rollout` on one machine does: each worker's tables
+    are its own app's. Shared, the second worker found the first one's persisted changelog offsets beyond
+    its own empty changelogs and stopped (Faust's ConsistencyError)."""
+    deployments = [KafkaSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:10]}.",
+                                 session_partitions=1, task_partitions=1) for _ in range(2)]
+    try:
+        for n, settings in enumerate(deployments):
+            await prepare_topics(settings, "processors")
+            plans = [linear_session(f"d{n}-s{i}", turns=2, seed=7 + i) for i in range(3)]
+            worker = WorkerProcess(settings, tmp_path / "data", app_id="processors")
+            worker.start()
+            try:
+                async with EventProducer(settings) as producer:
+                    for plan in plans:
+                        assert plan.end is not None
+                        await producer.send_many([plan.spec, *plan.completions, plan.end])
+                grouped = by_session(await read_events(settings, Topic.TRAJECTORIES, until=len(plans), timeout_s=60))
+                assert set(grouped) == {p.session_id for p in plans}, worker.log_tail()
+                for plan in plans:
+                    same(grouped[plan.session_id][0], expected(plan))
+                await asyncio.sleep(3)  # past a few commits: the tables' persisted offsets are written
+            finally:
+                worker.stop()
+        apps = {path.name for path in (tmp_path / "data").glob("cluster-*/*")}
+        assert apps == {settings.topic_prefix + "processors" for settings in deployments}
+    finally:
+        for settings in deployments:
+            await delete_topics(kafka_bootstrap, settings.topic_prefix)
