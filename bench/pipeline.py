@@ -448,6 +448,11 @@ async def bench(args: argparse.Namespace) -> None:
         print(line)
     machine_ratio = ceiling_use.machine_s / flood_use.machine_s if flood_use.machine_s > 0 else 0.0
     print(f"machine_cpu_ratio_transport_only_to_flood={machine_ratio:.2f}")
+    # The same ratio had the worker cost no more than the transport-only one: what the job's own I/O
+    # (the trajectories written and read, the tables' changelogs: the broker's and the bench's share of
+    # the flood) leaves of the ratio on this machine, however cheap the worker's handling were.
+    free_worker_s = flood_use.machine_s - flood_use.named_s["worker"] + ceiling_use.named_s["worker"]
+    print(f"machine_cpu_ratio_if_worker_free={ceiling_use.machine_s / free_worker_s if free_worker_s > 0 else 0.0:.2f}")
     print(f"flood_end_to_trajectory_p99_ms={flood['p99_ms']:.0f}")
     print(f"paced_rate_completions_per_s={rate:.0f}")
     print(f"paced_events_per_s={paced['events_per_s']:.0f}")
