@@ -27,6 +27,11 @@ also floods workers that build on their own event loop, in the same run, for com
 ``ROLLWIRE_BENCH_PYSPY=FILE`` samples the worker with py-spy during the flood (collapsed stacks);
 ``ROLLWIRE_BENCH_PROFILE=FILE`` profiles it with cProfile instead (see bench/profiled.py).
 
+With the machine full in both floods, throughput follows machine CPU per completion:
+``machine_cpu_ratio_if_worker_free`` is the transport-only machine CPU over the flood's with the worker's
+share replaced by the transport-only worker's, the most the ratio could be on this machine with a worker
+that added nothing (the trajectories written and read and the changelogs stay).
+
 Prints ``name=value`` lines, the key figure last: ``ratio_to_transport_only`` (``events_per_s`` /
 ``transport_only_events_per_s``, both beside it on the last line, from the same run). Raw aiokafka, not the typed clients:
 records are encoded before the clock starts, so the figures are the bare transport's and the worker's.

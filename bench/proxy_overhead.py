@@ -13,7 +13,8 @@ changed under the same machine noise.
 Prints: direct latency percentiles (time to the end of the stream); per peer its added latency at p50
 and p99 and its throughput ratio to direct; rollwire's (``through``) the same, the mean of each proxy
 stage per call from its ``/metrics`` (parse, upstream wait, relay, capture: the wait for Kafka's ack)
-with the ack's share of the added p50, and rollwire's added p50 over each peer's. Key figure last:
+with the ack's share of the added p50, the part of the added p50 that falls before the first token
+(``added_first_token_p50_ms``: the request read, parsed and sent on; the rest is the relay and the ack), and rollwire's added p50 over each peer's. Key figure last:
 rollwire's ``added_p50_ms``.
 
     python -m bench.proxy_overhead [--peers] [--baseline-tree DIR] [--concurrency 64] [--rounds 4] [--requests-per-client 2]
@@ -86,7 +87,8 @@ def _wait_http(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def _one(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> float:
+async def _one(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> tuple[float, float]:
+    """Seconds to the stream's end and to its first data line."""
     start = time.perf_counter()
     try:
         return await _timed_stream(client, url, body, headers, start)
@@ -95,22 +97,26 @@ async def _one(client: aiohttp.ClientSession, url: str, body: bytes, headers: di
 
 
 async def _timed_stream(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                        start: float) -> float:
+                        start: float) -> tuple[float, float]:
+    first: float | None = None
     async with client.post(url, data=body, headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"{url}: HTTP {response.status} {(await response.read())[:300]!r}")
         done = False
         async for line in response.content:
+            if first is None and line.startswith(b"data:"):
+                first = time.perf_counter()
             if line.rstrip(b"\r\n") == b"data: [DONE]":
                 done = True
-        if not done:
+        if not done or first is None:
             raise RuntimeError(f"{url}: stream ended without [DONE]")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, first - start
 
 
 async def _round(targets: list[tuple[str, dict[str, str]]], bodies: list[bytes], per_client: int,
-                 client: aiohttp.ClientSession) -> tuple[list[float], float]:
-    latencies: list[float] = []
+                 client: aiohttp.ClientSession) -> tuple[list[tuple[float, float]], float]:
+    """Each request's (seconds to the end, seconds to the first token), and the round's wall time."""
+    latencies: list[tuple[float, float]] = []
 
     async def worker(i: int) -> None:
         url, headers = targets[i]
@@ -246,6 +252,7 @@ async def run(args: argparse.Namespace) -> None:
             floor.ack_s.clear()
             metrics_before = (await client.get(f"http://127.0.0.1:{proxy_port}/metrics")).text
             results: dict[str, list[float]] = {name: [] for name in paths}
+            first_token: dict[str, list[float]] = {name: [] for name in paths}
             elapsed = {name: 0.0 for name in paths}
             cpu_of = {"through": proxy, **({"baseline": baseline} if baseline is not None else {})}
             proxy_cpu = {name: 0.0 for name in cpu_of}
@@ -267,7 +274,8 @@ async def run(args: argparse.Namespace) -> None:
                         machine[name][i] += value
                     if process is not None:
                         proxy_cpu[name] += process_cpu_s(process.pid) - cpu
-                    results[name] += latencies
+                    results[name] += [whole for whole, _ in latencies]
+                    first_token[name] += [first for _, first in latencies]
                     elapsed[name] += seconds
                 for _ in range(args.requests_per_client):
                     await floor.burst(captured)
@@ -309,6 +317,11 @@ async def run(args: argparse.Namespace) -> None:
     print(f"through_p50_ms={_pct(t, 0.5):.2f}")
     print(f"through_p99_ms={_pct(t, 0.99):.2f}")
     print(f"through_rps={len(t) / elapsed['through']:.1f}")
+    # Where the added time falls: before the first token (reading and parsing the request, the upstream
+    # call) or after it (the relay and the ack at the end).
+    added_first = _pct(first_token["through"], 0.5) - _pct(first_token["direct"], 0.5)
+    print(f"direct_first_token_p50_ms={_pct(first_token['direct'], 0.5):.2f} "
+          f"through_first_token_p50_ms={_pct(first_token['through'], 0.5):.2f} added_first_token_p50_ms={added_first:.2f}")
     print(f"events_recorded={int(recorded)}")
     # The proxy's own CPU per call (its rounds only): steadier than latencies on a busy machine.
     print(f"through_proxy_cpu_ms_per_request={proxy_cpu['through'] * 1000 / len(t):.2f}")
