@@ -13,7 +13,9 @@ host's network alone::
 the exec root is a short path under /tmp because containerd's sockets live there and a Unix socket path
 is limited to 108 bytes. The daemon's default network is ``none``; ``--network host`` works. It is ready
 in a few seconds; ``ensure_engine`` waits up to 30 s and otherwise fails with the end of the log. A file
-lock (``<cache>/docker/dockerd.lock``) keeps two processes from starting two daemons. Either way the
+lock (``<cache>/docker/dockerd.lock``) keeps two processes from starting two daemons; a pid file whose pid
+is not a running dockerd (a daemon killed, a machine restarted: the pid may be another process's by now,
+and dockerd would refuse to start over it) is removed first. Either way the
 engine's URL is exported as ``DOCKER_HOST`` so the Docker SDK (``docker.from_env()``) and the ``docker``
 CLI reach it.
 
@@ -223,6 +225,9 @@ def start_engine(config: EngineConfig | None = None, timeout_s: float = _START_T
         if daemon_pid(config) is not None:  # started by someone else and still coming up: wait for it
             _wait_until_answers(config, None, timeout_s)
             return config.url
+        # A pid file left by a daemon that is gone (killed, the machine restarted) names a pid that may
+        # belong to another process by now, and dockerd refuses to start over a pid file whose pid is alive.
+        config.pid_file.unlink(missing_ok=True)
         dockerd = dockerd_path()
         config.exec_dir.mkdir(parents=True, exist_ok=True)
         config.data_root.mkdir(parents=True, exist_ok=True)

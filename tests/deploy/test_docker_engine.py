@@ -95,6 +95,27 @@ def test_a_second_daemon_starts_once_and_stops_cleanly(monkeypatch: pytest.Monke
         shutil.rmtree(config.exec_dir, ignore_errors=True)
 
 
+def test_a_stale_pid_file_naming_another_live_process_does_not_stop_the_start(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A daemon that died (killed, the machine restarted) leaves its pid file; once its pid belongs to
+    another process, dockerd itself refuses to start over it ("pid file found")."""
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    config = EngineConfig(root=tmp_path / "docker", exec_root=Path(f"/tmp/rw-t{uuid.uuid4().hex[:6]}"))
+    config.root.mkdir(parents=True)
+    config.pid_file.write_text(f"{os.getpid()}\n")  # alive, and not a dockerd
+    assert daemon_pid(config) is None
+    try:
+        assert ensure_engine(config, adopt_others=False) == config.url
+        pid = daemon_pid(config)
+        assert pid is not None and pid != os.getpid()
+        assert engine_answers(config.url)
+        assert stop_engine(config) is True
+    finally:
+        stop_engine(config)
+        shutil.rmtree(config.exec_dir, ignore_errors=True)
+    assert Path(f"/proc/{os.getpid()}").exists()  # the process the stale file named was left alone
+
+
 def test_missing_dockerd_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(docker_engine, "_DOCKERD_FALLBACKS", ())
