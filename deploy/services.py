@@ -7,6 +7,7 @@ as an evaluator, for it to stay alive a few seconds), and stops it with SIGTERM 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -45,12 +46,25 @@ class ServiceProcess:
         return self.home / self.name / f"{self.name}.log"
 
     def pid(self) -> int | None:
+        """The pid in the pid file, if that process runs the command line the file recorded (a file from
+        before commands were recorded: this handle's own arguments; ``deploy.cli`` alone when it has none).
+        A pid file left by a service that is gone (killed, the machine restarted) may name a pid another
+        process has by now, another rollwire command included: that one is never taken for this service,
+        nor stopped as it."""
         try:
-            pid = int(self.pid_file.read_text().strip())
+            lines = self.pid_file.read_text().splitlines()
+            pid = int(lines[0].strip())
+            recorded = json.loads(lines[1]) if len(lines) > 1 else list(self.args)
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             return None
-        return pid if b"deploy.cli" in cmdline else None
+        if not isinstance(recorded, list) or not all(isinstance(arg, str) for arg in recorded):
+            return None
+        return pid if _command_line(recorded) in cmdline + b"\0" else None
+
+    def record(self, pid: int) -> None:
+        """Write the pid file: ``pid``, and this service's command line (how :meth:`pid` knows it again)."""
+        self.pid_file.write_text(f"{pid}\n{json.dumps(list(self.args))}\n")
 
     def healthy(self) -> bool:
         if self.health_url is None:
@@ -74,7 +88,7 @@ class ServiceProcess:
             process = subprocess.Popen([sys.executable, "-m", "deploy.cli", *self.args], stdout=log,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env={**os.environ, **self.env}, start_new_session=True)
-        self.pid_file.write_text(str(process.pid))
+        self.record(process.pid)
         deadline = time.monotonic() + (timeout_s if self.health_url is not None else self.settle_s)
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -104,3 +118,8 @@ class ServiceProcess:
     def status(self) -> dict[str, Any]:
         return {"running": self.pid() is not None, "pid": self.pid(), "healthy": self.healthy(),
                 "log": str(self.log_file)}
+
+
+def _command_line(args: list[str]) -> bytes:
+    """``deploy.cli`` and ``args`` as they appear, whole, in a process's /proc/<pid>/cmdline."""
+    return b"\0".join([b"deploy.cli", *(os.fsencode(arg) for arg in args)]) + b"\0"
