@@ -25,7 +25,15 @@ from faust.types import TP, RecordMetadata, TableT
 
 from processors.aggregate import Outputs, Record, SessionAggregator, Tables
 from processors.continuity import DUPLICATE, Gap, InputContinuity, RangeReader
-from processors.faust_worker import RAW, app_settings, on_partitions, on_signal, send_event, tables_recovered
+from processors.faust_worker import (
+    RAW,
+    app_settings,
+    on_partitions,
+    on_signal,
+    send_event,
+    tables_recovered,
+    worker_app,
+)
 from processors.health import serve_health
 from processors.payloads import LogReader
 from processors.build_processes import PooledBuilds
@@ -45,7 +53,7 @@ registry = kafka.registry()
 SOURCE = f"processors@{socket.gethostname()}:{os.getpid()}"
 PARTITIONS = kafka.session_partitions
 
-app = faust.App(
+app = worker_app(
     app_id(kafka, conf.app_id),
     **app_settings(kafka, store=conf.store, data_dir=conf.data_dir, partitions=PARTITIONS,
                    session_timeout_s=conf.session_timeout_s),

@@ -44,7 +44,7 @@ from processors.groups.assembly import (
 )
 from processors.groups.cli import by_task_topic
 from processors.groups.settings import GroupSettings
-from processors.faust_worker import RAW, app_settings, on_partitions, send_event, tables_recovered
+from processors.faust_worker import RAW, app_settings, on_partitions, send_event, tables_recovered, worker_app
 from processors.health import serve_health
 from processors.intake import dead_letter
 from schemas.codec import EventDecodeError, check_envelope, decode_event
@@ -63,7 +63,7 @@ APP_ID = kafka.topic_prefix + conf.app_id
 BY_TASK = by_task_topic(kafka, conf.app_id)
 REQUEST_AGAIN_S = 5.0  # a deadline record the agent has not acted on yet is re-sent after this long
 
-app = faust.App(
+app = worker_app(
     APP_ID,
     **app_settings(kafka, store=conf.store, data_dir=conf.data_dir, partitions=kafka.task_partitions,
                    session_timeout_s=conf.session_timeout_s),
