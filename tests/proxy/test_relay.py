@@ -65,3 +65,92 @@ def test_a_first_chunk_that_closes_ends_the_body_and_the_rest_still_runs() -> No
     messages = asyncio.run(sent_by(ClosingChunk(b"data: [DONE]\n\n"), rest()))
     assert bodies(messages) == [(b"data: [DONE]\n\n", False)]
     assert seen == ["bookkeeping"]
+
+
+def test_the_first_chunk_goes_out_before_anything_else_the_loop_has_ready() -> None:
+    """From the task that built the response, at once: not from a task started on a later turn of the loop,
+    behind the other calls' work (Starlette's streaming response under ASGI 2.3)."""
+    order: list[str] = []
+
+    async def rest() -> AsyncIterator[bytes]:
+        yield ClosingChunk(b"data: [DONE]\n\n")
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        order.append(message["type"])
+
+    async def main() -> None:
+        asyncio.get_running_loop().call_soon(order.append, "other work")
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST"}
+        await RelayResponse(b"data: 1\n\n", rest(), media_type="text/event-stream")(scope, receive, send)
+
+    asyncio.run(main())
+    assert order[:2] == ["http.response.start", "http.response.body"]
+    assert "other work" in order
+
+
+def test_a_hang_up_closes_the_stream_where_it_waits_and_the_response_ends_quietly() -> None:
+    seen: list[str] = []
+    hang_up = asyncio.Event()
+
+    async def rest() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 2\n\n"
+            hang_up.set()
+            await asyncio.Event().wait()  # the engine's next token, which never comes
+            yield b"never sent"
+        except asyncio.CancelledError:
+            seen.append("closed")
+            raise
+
+    async def receive() -> dict[str, Any]:
+        await hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    messages: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    async def main() -> int:
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST"}
+        await RelayResponse(b"data: 1\n\n", rest(), media_type="text/event-stream")(scope, receive, send)
+        task = asyncio.current_task()
+        assert task is not None
+        await asyncio.sleep(0)  # not cancelled any more: the hang-up's cancellation was the response's own
+        return task.cancelling()
+
+    assert asyncio.run(asyncio.wait_for(main(), 5)) == 0
+    assert seen == ["closed"]
+    assert bodies(messages) == [(b"data: 1\n\n", True), (b"data: 2\n\n", True)]
+
+
+def test_a_cancellation_from_outside_is_not_swallowed() -> None:
+    async def rest() -> AsyncIterator[bytes]:
+        yield b"data: 2\n\n"
+        await asyncio.Event().wait()
+        yield b"never sent"
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def main() -> None:
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST"}
+        relay = asyncio.ensure_future(RelayResponse(b"data: 1\n\n", rest(), media_type="text/event-stream")(
+            scope, receive, send))
+        await asyncio.sleep(0.01)
+        relay.cancel()  # the server stopping
+        try:
+            await relay
+        except asyncio.CancelledError:
+            return
+        raise AssertionError("the server's cancellation was swallowed")
+
+    asyncio.run(asyncio.wait_for(main(), 5))
