@@ -74,8 +74,12 @@ class KafkaFloor:
             for producer in self._producers:
                 await producer.stop()
 
+    def producer_for(self, key: bytes | None) -> AIOKafkaProducer:
+        """The producer a record's key picks (as the proxy's capture picks one)."""
+        return self._producers[zlib.crc32(key or b"") % len(self._producers)]
+
     async def _one(self, record: CapturedRecord) -> float:
-        producer = self._producers[zlib.crc32(record.key or b"") % len(self._producers)]
+        producer = self.producer_for(record.key)
         started = time.perf_counter()
         await producer.send_and_wait(self.topic, record.value, key=record.key, headers=record.headers)
         return time.perf_counter() - started

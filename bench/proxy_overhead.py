@@ -31,12 +31,14 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import aiohttp
 import httpx
 import orjson
 
 from bench.harness_requests import harness_requests
+from bench.capture_floor import save_records
 from bench.kafka_floor import KafkaFloor, read_records
 from bench.machine_cpu import CpuMeter, kafka_broker_pids, process_cpu_s
 from bench.peers import Peer, PeerMissing, start_litellm, start_nginx
@@ -194,6 +196,7 @@ async def run(args: argparse.Namespace) -> None:
                            "ROLLWIRE_SERVED_MODEL": "rollwire-tiny"}, args.log_prefix + "baseline.log",
                           cwd=args.baseline_tree)
     peers: list[Peer] = []
+    floors: dict[str, subprocess.Popen[bytes]] = {}
     quiet_waits: list[float] = []  # before each round, waiting for the machine to be at rest
     try:
         _wait_http(f"http://127.0.0.1:{standin_port}/health")
@@ -247,6 +250,20 @@ async def run(args: argparse.Namespace) -> None:
                 await _round(targets, bodies, 1, streams)
             # The capture stage's floor: the proxy's own events (its warm-up round's), a burst of them at once.
             captured = await read_records(kafka, args.concurrency)
+            if args.capture_floor:
+                # The same events, written by a bare relay at each stream's end (bench.capture_floor).
+                records_file = args.log_prefix + "floor-records.pickle"
+                save_records(captured, Path(records_file))
+                for mode in ("whole", "early"):
+                    port = _free_port()
+                    floors[f"floor_{mode}"] = _spawn(
+                        ["-m", "bench.capture_floor", "--port", str(port), "--upstream", f"http://127.0.0.1:{standin_port}",
+                         "--records", records_file, "--topic", floor_kafka.registry().name(Topic.COMPLETIONS),
+                         "--mode", mode, *(["--compress"] if compression == "producer" else [])],
+                        {"ROLLWIRE_KAFKA_BOOTSTRAP": bootstrap}, args.log_prefix + f"floor-{mode}.log")
+                    _wait_http(f"http://127.0.0.1:{port}/health")
+                    paths[f"floor_{mode}"] = [(f"http://127.0.0.1:{port}/v1/chat/completions", json_type)] * args.concurrency
+                    await _round(paths[f"floor_{mode}"], bodies, 1, streams)
             await floor.start()
             await floor.burst(captured)
             floor.ack_s.clear()
@@ -254,7 +271,7 @@ async def run(args: argparse.Namespace) -> None:
             results: dict[str, list[float]] = {name: [] for name in paths}
             first_token: dict[str, list[float]] = {name: [] for name in paths}
             elapsed = {name: 0.0 for name in paths}
-            cpu_of = {"through": proxy, **({"baseline": baseline} if baseline is not None else {})}
+            cpu_of = {"through": proxy, **({"baseline": baseline} if baseline is not None else {}), **floors}
             proxy_cpu = {name: 0.0 for name in cpu_of}
             # The whole machine during each path's rounds: how busy it was, and its CPU per request (the
             # client, the stand-in, the broker and the proxy or peer in between all share these cores).
@@ -284,7 +301,7 @@ async def run(args: argparse.Namespace) -> None:
         await floor.stop()
         for peer in peers:
             peer.stop()
-        for server in (proxy, baseline):
+        for server in (proxy, baseline, *floors.values()):
             if server is not None:
                 server.terminate()
                 server.wait(10)
@@ -304,7 +321,7 @@ async def run(args: argparse.Namespace) -> None:
     print(f"direct_p50_ms={_pct(d, 0.5):.2f}")
     print(f"direct_p99_ms={_pct(d, 0.99):.2f}")
     print(f"direct_rps={direct_rps:.1f}")
-    others = [peer.name for peer in peers] + (["baseline"] if baseline is not None else [])
+    others = [peer.name for peer in peers] + (["baseline"] if baseline is not None else []) + list(floors)
     for name in others:
         p = results[name]
         print(f"{name}_p50_ms={_pct(p, 0.5):.2f}")
@@ -312,6 +329,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"{name}_added_p50_ms={_pct(p, 0.5) - _pct(d, 0.5):.2f}")
         print(f"{name}_added_p99_ms={_pct(p, 0.99) - _pct(d, 0.99):.2f}")
         print(f"{name}_throughput_ratio={(len(p) / elapsed[name]) / direct_rps:.3f}")
+        print(f"{name}_added_first_token_p50_ms={_pct(first_token[name], 0.5) - _pct(first_token['direct'], 0.5):.2f}")
         if name in proxy_cpu:
             print(f"{name}_proxy_cpu_ms_per_request={proxy_cpu[name] * 1000 / len(p):.2f}")
     print(f"through_p50_ms={_pct(t, 0.5):.2f}")
@@ -376,6 +394,10 @@ def main() -> None:
     parser.add_argument("--baseline-tree", help=(
         "Also measure the proxy of another source tree (e.g. `git worktree add /tmp/base HEAD~3`) as path "
         "`baseline`, beside this one in the same run."))
+    parser.add_argument("--capture-floor", action="store_true", help=(
+        "Also measure bare relays that hold each stream's end for Kafka's ack of rollwire's own event "
+        "(bench/capture_floor.py): `floor_whole` writes it at the end, `floor_early` its prompt part at the first "
+        "read and the rest at the end."))
     parser.add_argument("--stop-kafka", action="store_true", help="Stop the broker if this run started it.")
     asyncio.run(run(parser.parse_args()))
 
