@@ -2,7 +2,9 @@
 
 ``bench.proxy_overhead --capture-floor`` puts this process in front of the same stand-in as rollwire, as a
 path of its own in the same rounds. It does the least any proxy that keeps rollwire's promise must do: it
-does not parse the request or the stream; it relays every read of the engine's stream as it comes, holds
+does not parse the request or the stream; it asks the engine for the token ids and logprobs rollwire
+asks for (added to the body's bytes, so the engine does the same work for both), relays every read of the
+engine's stream as it comes (those fields included: nothing is parsed to take them out), holds
 back the read that carries ``data: [DONE]``, writes a record to Kafka through producers set up as the
 proxy's (:class:`bench.kafka_floor.KafkaFloor`) and sends the held bytes only once the broker has it.
 The records are rollwire's own events of the same requests (read back from its completions topic by the
@@ -39,6 +41,20 @@ from bench.kafka_floor import CapturedRecord, KafkaFloor
 from schemas.transport import KafkaSettings
 
 _END = b"data: [DONE]"
+# What rollwire asks of the engine for every call besides the harness's request (proxy.engine.engine_body):
+# the token ids and logprobs it records, and the usage chunk. Put in front of the body's own keys, so that
+# a key the harness sent itself wins (the last of a repeated key counts).
+_CAPTURE_ASKS = b'"return_token_ids":true,"logprobs":true,"stream_options":{"include_usage":true},'
+
+
+def with_capture_asks(body: bytes) -> bytes:
+    """The request body with rollwire's engine asks added, by bytes (the floor parses nothing): the engine
+    then does for the floor what it does for rollwire (prompt ids in the first chunk, an id and a logprob
+    entry per token), and the floor relays those bytes as they are."""
+    start = body.find(b"{")
+    if start < 0:
+        return body
+    return body[:start + 1] + _CAPTURE_ASKS + body[start + 1:]
 
 
 @dataclass(frozen=True)
@@ -110,7 +126,8 @@ class CaptureFloor:
         body = await request.read()
         record = next(self.records)
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        async with self.client.post(self.upstream + request.path, data=body, headers=headers) as upstream:
+        async with self.client.post(self.upstream + request.path, data=with_capture_asks(body),
+                                    headers=headers) as upstream:
             if upstream.status != 200:
                 return web.Response(status=upstream.status, body=await upstream.read(),
                                     content_type=upstream.content_type)

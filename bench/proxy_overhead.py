@@ -6,7 +6,10 @@ One run starts the project's Kafka (or uses ``ROLLWIRE_KAFKA_BOOTSTRAP``), the s
 requests, rounds alternating between the paths so that all see the same machine noise, each round started
 once the machine is at rest (``quiet_wait_*``: how long that took). With ``--peers``
 the paths also include a bare nginx reverse proxy and LiteLLM's proxy in front of the same stand-in
-(:mod:`bench.peers`; one that is not installed is skipped with the reason); with ``--baseline-tree DIR``
+(:mod:`bench.peers`; one that is not installed is skipped with the reason); with ``--capture-floor`` two
+bare relays that keep rollwire's one promise and nothing else, each stream's end held until the broker has
+rollwire's own event of the call (:mod:`bench.capture_floor`: ``floor_whole`` writes it at the end,
+``floor_early`` its prompt part at the first read and the rest at the end); with ``--baseline-tree DIR``
 also the proxy of another source tree (an earlier commit), so that a change is measured against what it
 changed under the same machine noise.
 
@@ -17,7 +20,7 @@ with the ack's share of the added p50, the part of the added p50 that falls befo
 (``added_first_token_p50_ms``: the request read, parsed and sent on; the rest is the relay and the ack), and rollwire's added p50 over each peer's. Key figure last:
 rollwire's ``added_p50_ms``.
 
-    python -m bench.proxy_overhead [--peers] [--baseline-tree DIR] [--concurrency 64] [--rounds 4] [--requests-per-client 2]
+    python -m bench.proxy_overhead [--peers] [--capture-floor] [--baseline-tree DIR] [--concurrency 64] [--rounds 4] [--requests-per-client 2]
         [--token-interval-ms 8] [--token-api]
 """
 
@@ -46,7 +49,7 @@ from deploy.kafka import KafkaBroker, KafkaConfig
 from proxy.capture import settle_compression
 from proxy.settings import ProxySettings
 from schemas.topics import Topic
-from schemas.transport import KafkaSettings, broker_answers, ensure_topics
+from schemas.transport import KafkaSettings, broker_answers, delete_topics, ensure_topics
 
 
 async def _quiet(meter: CpuMeter, busy_below: float = 0.15, window_s: float = 0.1, limit_s: float = 3.0) -> float:
@@ -307,6 +310,12 @@ async def run(args: argparse.Namespace) -> None:
                 server.wait(10)
         standin.terminate()
         standin.wait(10)
+        # The run's throwaway topics go: a broker that keeps every run's (9 topics a prefix) grows thousands of
+        # partition folders, and its acks, the figure this bench measures, slow down with them.
+        for settings in (kafka, floor_kafka):
+            await delete_topics(bootstrap, settings.topic_prefix)
+        if args.baseline_tree:
+            await delete_topics(bootstrap, prefix.rstrip(".") + "b.")
         if broker is not None and args.stop_kafka:
             broker.stop()
 

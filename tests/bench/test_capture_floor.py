@@ -15,7 +15,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from bench.capture_floor import save_records, split_record
+from bench.capture_floor import save_records, split_record, with_capture_asks
 from bench.kafka_floor import CapturedRecord
 from bench.standin_engine import StandinConfig, create_app
 from schemas.codec import encode_record
@@ -38,6 +38,12 @@ def test_a_record_splits_into_its_prompt_part_and_the_rest() -> None:
     assert prompt["request"]["messages"] == whole["request"]["messages"] and "messages" not in rest["request"]
     assert "token_ids" in whole and "token_ids" not in prompt and rest["token_ids"] == whole["token_ids"]
     assert len(parts.rest) < len(parts.whole) / 2 and len(parts.prompt) < len(parts.whole)
+
+
+def test_the_engine_is_asked_for_what_rollwire_asks_and_the_harness_keys_win() -> None:
+    asked = orjson.loads(with_capture_asks(b' {"model": "m", "logprobs": false}'))
+    assert asked == {"return_token_ids": True, "logprobs": False, "stream_options": {"include_usage": True},
+                     "model": "m"}
 
 
 async def _topic_values(kafka: KafkaSettings, topic: str, want: int) -> list[bytes]:
@@ -90,4 +96,5 @@ async def test_the_stream_is_relayed_whole_and_the_record_written(mode: str, kaf
     assert lines[-1] == "data: [DONE]"
     tokens = [t for line in lines[:-1] for c in orjson.loads(line[5:])["choices"] for t in c.get("token_ids") or ()]
     assert len(tokens) == 6  # every chunk of the engine's stream came through
+    assert "prompt_token_ids" in orjson.loads(lines[0][5:])  # the engine was asked for them, as by rollwire
     assert written == ([parts.prompt, parts.rest] if mode == "early" else [parts.whole])
