@@ -54,7 +54,9 @@ def with_capture_asks(body: bytes) -> bytes:
     start = body.find(b"{")
     if start < 0:
         return body
-    return body[:start + 1] + _CAPTURE_ASKS + body[start + 1:]
+    rest = body[start + 1:]
+    asks = _CAPTURE_ASKS if rest.lstrip()[:1] != b"}" else _CAPTURE_ASKS[:-1]  # an empty object: no comma
+    return body[:start + 1] + asks + rest
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ def test_the_engine_is_asked_for_what_rollwire_asks_and_the_harness_keys_win() -
     asked = orjson.loads(with_capture_asks(b' {"model": "m", "logprobs": false}'))
     assert asked == {"return_token_ids": True, "logprobs": False, "stream_options": {"include_usage": True},
                      "model": "m"}
+    assert orjson.loads(with_capture_asks(b"{ }"))["return_token_ids"] is True
 
 
 async def _topic_values(kafka: KafkaSettings, topic: str, want: int) -> list[bytes]:
