@@ -6,21 +6,14 @@ recorded. :class:`RelayResponse` sends a :class:`ClosingChunk` together with the
 that one write; what the stream's generator does after yielding it (the session's bookkeeping) runs
 after the harness has its reply. Starlette's own streaming response would send the body's end separately,
 after the generator had finished.
-
-It also writes the first chunk from the task that built the response, at once. Starlette's streaming
-response, under a server speaking ASGI 2.3 (uvicorn), runs the body in a new task of an anyio task group
-while the handler's task listens for the hang-up: the first chunk waited for that task's first turn, behind
-whatever else the loop had ready (at 16 streams starting together, the other calls' parses). Here the
-handler's task relays the body and a plain task listens; a hang-up cancels the relay as Starlette's does.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 
 class ClosingChunk(bytes):
@@ -38,36 +31,6 @@ class RelayResponse(StreamingResponse):
                  headers: Mapping[str, str] | None = None) -> None:
         super().__init__(stream, media_type=media_type, headers=headers)
         self.first = first
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await super().__call__(scope, receive, send)
-            return
-        relay = asyncio.current_task()
-        assert relay is not None
-        hung_up = False
-
-        async def listen() -> None:
-            nonlocal hung_up
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            hung_up = True
-            relay.cancel()  # the stream is closed where it waits (it records the call as abandoned)
-
-        listener = asyncio.get_running_loop().create_task(listen())
-        try:
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            if not hung_up:
-                raise  # cancelled from outside (the server stopping): not ours to swallow
-            relay.uncancel()
-        else:
-            if hung_up and relay.cancelling():  # the stream took the cancellation and ended by itself
-                relay.uncancel()
-        finally:
-            listener.cancel()
-        if self.background is not None:
-            await self.background()
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
