@@ -6,9 +6,17 @@ recorded. :class:`RelayResponse` sends a :class:`ClosingChunk` together with the
 that one write; what the stream's generator does after yielding it (the session's bookkeeping) runs
 after the harness has its reply. Starlette's own streaming response would send the body's end separately,
 after the generator had finished.
+
+Every chunk written before the closing one gives the event loop a turn. Neither side of the relay waits by itself while there is
+work: the engine's reads return at once while its bytes are already in (a proxy behind a fast engine), and
+the server's send returns at once until the client's socket buffer is full. Without the turn, one long
+stream relayed everything it had before anything else on the loop ran: other calls' starts, /health, a
+weight update's steps.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from collections.abc import AsyncIterator, Mapping
 
@@ -44,5 +52,10 @@ class RelayResponse(StreamingResponse):
             ended = isinstance(chunk, ClosingChunk)
             body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
             await send({"type": "http.response.body", "body": body, "more_body": not ended})
+            if not ended:
+                # The loop's turn for everything else (see the module docstring); never after the closing chunk:
+                # the stream's bookkeeping (the session's branch) must run before anything else, so that the
+                # session's next call, which may come as soon as the client has the end, finds it.
+                await asyncio.sleep(0)
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,5 +1,6 @@
 """The stream's response (issue 17): the closing chunk goes out with the end of the body, in one message,
-and what the stream does after it (the session's bookkeeping) still runs, after the client has it."""
+and what the stream does after it (the session's bookkeeping) still runs, after the client has it; a
+stream whose chunks are always ready still leaves the event loop to everything else."""
 
 from __future__ import annotations
 
@@ -65,3 +66,31 @@ def test_a_first_chunk_that_closes_ends_the_body_and_the_rest_still_runs() -> No
     messages = asyncio.run(sent_by(ClosingChunk(b"data: [DONE]\n\n"), rest()))
     assert bodies(messages) == [(b"data: [DONE]\n\n", False)]
     assert seen == ["bookkeeping"]
+
+
+def test_a_stream_whose_chunks_are_always_ready_leaves_the_loop_to_the_rest() -> None:
+    # The engine's bytes already read, a send that never waits: nothing in the relay suspends by itself.
+    relayed: list[int] = []
+
+    async def stream() -> AsyncIterator[bytes]:
+        for i in range(2000):
+            relayed.append(i)
+            yield b"data: x\n\n"
+        yield ClosingChunk(b"data: [DONE]\n\n")
+
+    async def main() -> tuple[int, int]:
+        seen_at: list[int] = []
+
+        async def other_work() -> None:  # e.g. a weight update's steps, or another call's start
+            for _ in range(3):
+                await asyncio.sleep(0)
+                seen_at.append(len(relayed))
+
+        other = asyncio.get_running_loop().create_task(other_work())
+        messages = await sent_by(None, stream())
+        await other
+        assert bodies(messages)[-1] == (b"data: [DONE]\n\n", False)
+        return seen_at[-1], len(relayed)
+
+    done_at, total = asyncio.run(main())
+    assert done_at < 50 < total  # three turns of the other work came while the stream was relayed
