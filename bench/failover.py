@@ -271,6 +271,7 @@ def _compare(kafka: KafkaSettings, calls: list[CallLine], outcome: Outcome) -> N
     seen_ids: set[str] = set()
     trajectories: dict[str, set[str]] = collections.defaultdict(set)
     trajectory_records: collections.Counter[str] = collections.Counter()
+    trajectory_shapes: dict[str, dict[str, str]] = collections.defaultdict(dict)
     groups: dict[str, set[str]] = collections.defaultdict(set)
     ended: set[str] = set()
     for event in events:
@@ -281,6 +282,7 @@ def _compare(kafka: KafkaSettings, calls: list[CallLine], outcome: Outcome) -> N
         elif isinstance(event, Trajectory):
             trajectories[event.session_id].add(event.event_id)
             trajectory_records[event.session_id] += 1
+            trajectory_shapes[event.session_id][event.event_id] = _shape(event)
         elif isinstance(event, Group):
             groups[event.task_id].add(event.event_id)
         elif isinstance(event, SessionEnded):
@@ -307,7 +309,18 @@ def _compare(kafka: KafkaSettings, calls: list[CallLine], outcome: Outcome) -> N
     outcome.unreplicated_topics = len(unreplicated)
     outcome.details = {"lost": lost[:10], "unreplicated_topics": unreplicated[:10],
                        "sessions_without_trajectory": sorted(s for s in ended if not trajectories.get(s))[:10],
-                       "tasks_without_group": sorted(t for t in task_ids if not groups.get(t))[:10]}
+                       "tasks_without_group": sorted(t for t in task_ids if not groups.get(t))[:10],
+                       "duplicated_trajectories": [f"{s}: " + " | ".join(shapes.values())
+                                                   for s, shapes in trajectory_shapes.items() if len(shapes) > 1][:10]}
+
+
+def _shape(trajectory: Trajectory) -> str:
+    """What tells two builds of one session apart: what they were built from and when."""
+    completions = [c for t in trajectory.traces for c in t.completion_ids]
+    return (f"{trajectory.event_id[:8]} partial={trajectory.partial} status={trajectory.session_status} "
+            f"traces={len(trajectory.traces)} completions={len(set(completions))} "
+            f"sequences={sorted({s for t in trajectory.traces for s in t.sequences})} "
+            f"problems={len(trajectory.stats.problems)}")
 
 
 def run_rollout(cluster: KafkaCluster, work: Path, *, tasks: int, samples: int, calls: int,

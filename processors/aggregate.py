@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import orjson
 
 from processors.intake import completion_session, dead_letter, peek
-from processors.payloads import PayloadCache
+from processors.payloads import LogReadError, PayloadCache
 from processors.progress import InputProgress
 from processors.session_builds import BuildJob, BuildResult, InlineBuilds, SessionBuilds, TrajectoryRecord
 from processors.writebehind import BufferedTable
@@ -103,7 +103,8 @@ class Outputs:
     send_control: Callable[[str, int, dict[str, Any]], Awaitable[None]]
     # The consumer's high watermark of (topic, partition), None if not known yet.
     highwater: Callable[[str, int], int | None]
-    # Read completion records back from the log: (partition, offsets) -> {offset: value}, absent if gone.
+    # Read completion records back from the log: (partition, offsets) -> {offset: value}, absent if gone
+    # (retention); raises processors.payloads.LogReadError when one still in the log cannot be read now.
     read_completions: Callable[[int, list[int]], Awaitable[dict[int, bytes]]]
     # The offset the consumer (re)started reading (topic, partition) from at the last assignment (the
     # group's committed offset), None if unknown. Without it, a partition with nothing processed since
@@ -182,7 +183,8 @@ class SessionAggregator:
         self._others = (self._names[Topic.COMPLETIONS], self._names[Topic.SESSIONS])
         self.counters = {"records": 0, "dead_lettered": 0, "late": 0, "trajectories": 0, "partial": 0,
                          "read_back": 0, "lost": 0, "unresolved": 0, "build_failures": 0,
-                         "calls_after_build": 0, "ends_asked": 0, "late_calls": 0}
+                         "calls_after_build": 0, "ends_asked": 0, "late_calls": 0,
+                         "builds_deferred": 0}
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -370,7 +372,15 @@ class SessionAggregator:
         if session_id in self.in_flight:
             return
         spec = self._spec(session_id.encode())
-        calls = await self._payloads(session_id, session)
+        try:
+            calls = await self._payloads(session_id, session)
+        except LogReadError as exc:
+            # Built without them, the session would give a trajectory missing calls, with another event id
+            # than any later build of it. Left open: the timer asks for its build again (see tick).
+            self.counters["builds_deferred"] += 1
+            logger.warning("session %s: its completions cannot be read back now, so its build waits: %s",
+                           session_id, exc)
+            return
         job = BuildJob(session_id, session.partition, builder_name(spec),
                        facts(session_id, session, spec, partial=partial), list(calls.items()), self.source)
         self.in_flight.add(session_id)
@@ -618,7 +628,12 @@ class SessionAggregator:
             values = {ref: self.payloads.get(ref.partition, ref.offset) for ref in refs}
             missing = [ref.offset for ref, value in values.items() if value is None]
             if missing:
-                found = await self.out.read_completions(refs[0].partition, missing)
+                try:
+                    found = await self.out.read_completions(refs[0].partition, missing)
+                except LogReadError as exc:  # kept for the next record's turn
+                    logger.warning("late calls of session %s cannot be read back now: %s", session_id, exc)
+                    self._late_refs.append((session_id, event_id, upto, refs))
+                    continue
                 values.update({ref: found.get(ref.offset) for ref in refs if values[ref] is None})
             for ref, value in values.items():
                 self.payloads.discard(ref.partition, ref.offset)

@@ -19,6 +19,8 @@ import asyncio
 import logging
 from collections.abc import Collection, Iterable
 
+from aiokafka import TopicPartition
+
 from schemas.topics import FRAMING_BYTES, Topic
 from schemas.transport import EventConsumer, KafkaSettings, TransportError, topic_spec
 
@@ -26,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class LogReadError(RuntimeError):
-    """The log could not be read back (broker unreachable, partition unknown)."""
+    """The log could not be read back now (broker unreachable, partition unknown, or offsets the worker
+    has seen there not readable at the moment): the caller tries again later, never builds without them."""
 
 
 class PayloadCache:
@@ -99,18 +102,43 @@ class LogReader:
         return self._consumer
 
     async def read(self, partition: int, offsets: Iterable[int]) -> dict[int, bytes]:
-        """The values at ``offsets`` of ``partition``; offsets no longer in the log are absent."""
+        """The values at ``offsets`` of ``partition``; offsets no longer in the log (below its start: removed
+        by retention) are absent. Raises :class:`LogReadError` when an offset at or past the log's start is
+        not read: every offset asked for is one the worker saw there, so it is in the log, only not readable
+        now (its leader gone while a broker fails, or not fetched within ``timeout_s`` on a loaded broker).
+        Taken for absent, such offsets built a session without those calls: in the failover test, a
+        worker taking a killed worker's sessions over may read them back while a broker is away."""
         wanted = set(offsets)
         if not wanted:
             return {}
         async with self._lock:
             consumer = await self._started()
             try:
-                return await consumer.read_values(partition, wanted, timeout_s=self.timeout_s)
+                found = await consumer.read_values(partition, wanted, timeout_s=self.timeout_s)
+                missing = wanted.difference(found)
+                if not missing:
+                    return found
+                tp = TopicPartition(self.topic, partition)
+                start = (await consumer.beginning_offsets([tp]))[tp]
             except TransportError as exc:
                 raise LogReadError(f"reading {self.topic}[{partition}] back failed: {exc}") from exc
+        unreadable = sorted(o for o in missing if o >= start)
+        if unreadable:
+            raise LogReadError(f"offsets {_span(unreadable)} of {self.topic}[{partition}] are in the log (it starts "
+                               f"at {start}) but could not be read within {self.timeout_s:g} s")
+        return found
 
     async def stop(self) -> None:
         if self._consumer is not None:
             consumer, self._consumer = self._consumer, None
             await consumer.stop()
+
+
+def _span(offsets: list[int]) -> str:
+    """A short form of sorted offsets for messages: ``7``, ``7-9`` or ``7, 9, 12 (3)``."""
+    if len(offsets) == 1:
+        return str(offsets[0])
+    if offsets[-1] - offsets[0] == len(offsets) - 1:
+        return f"{offsets[0]}-{offsets[-1]}"
+    head = ", ".join(str(o) for o in offsets[:3])
+    return f"{head}{', ...' if len(offsets) > 3 else ''} ({len(offsets)})"

@@ -26,7 +26,7 @@ def _assert_whole(outcome: Outcome) -> None:
     assert outcome.answered == TASKS * SAMPLES * CALLS and outcome.unanswered == 0, outcome
     assert outcome.lost == 0 and outcome.duplicated_completions == 0, outcome
     assert outcome.sessions_ended == TASKS * SAMPLES, outcome
-    assert outcome.missing_trajectories == 0 and outcome.duplicated_trajectories == 0, outcome
+    assert outcome.missing_trajectories == 0 and outcome.duplicated_trajectories == 0, outcome.details
     assert outcome.tasks == TASKS and outcome.missing_groups == 0 and outcome.duplicated_groups == 0, outcome
     assert outcome.job_exit_code == 0, outcome
     # The trainer feed read every group once, resuming on the new leaders and coordinator.

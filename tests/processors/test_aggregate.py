@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from processors.aggregate import Outputs, SessionAggregator, Tables, built_entry
-from processors.payloads import PayloadCache
+from processors.payloads import LogReadError, PayloadCache
 from processors.progress import InputProgress
 from processors.open_sessions import CallRef, OpenSession
 from processors.session_builds import TrajectoryRecord
@@ -161,6 +161,48 @@ async def test_an_evicted_payload_gone_from_the_log_is_counted_lost() -> None:
         await aggregator.handle(record)
     assert aggregator.counters["lost"] == 1 and aggregator.counters["read_back"] == 2
     assert kafka.trajectories[0].stats.completions == 2
+
+
+async def test_a_call_not_readable_back_now_defers_the_build_and_never_leaves_the_call_out() -> None:
+    """After a broker's failure the partition's new leader can answer below offsets the old one served
+    (LogReader raises LogReadError for those). The worker that took the session over must not build it
+    without them, as if they were gone: that trajectory would miss the calls and have another event id than
+    the one the session's first worker sent. It waits; the timer asks again, and the build is the same."""
+    plan = linear_session("a4", turns=4, seed=4)
+    kafka, tables = FakeKafka(), _tables()
+    records = _records(plan, kafka)
+    first = _aggregator(tables, kafka)
+    for record in records[:-1]:
+        await first.handle(record)
+    unreadable = [True]
+    outputs = kafka.outputs()
+    read_from_log = outputs.read_completions
+
+    async def read(partition: int, offsets: list[int]) -> dict[int, bytes]:
+        if unreadable[0]:
+            raise LogReadError(f"offsets {offsets} of completions[{partition}] could not be read within 30 s")
+        return await read_from_log(partition, offsets)
+
+    controls: list[tuple[str, dict[str, Any]]] = []
+
+    async def send_control(session_id: str, partition: int, record: dict[str, Any]) -> None:
+        controls.append((session_id, record))
+
+    outputs.read_completions, outputs.send_control = read, send_control
+    clock = [100.0]
+    taken_over = SessionAggregator(tables, outputs, REGISTRY, control_topic=CONTROL, group="g", idle_s=600,
+                                   grace_s=30, settle_s=0, max_message_bytes=8 << 20, clock=lambda: clock[0])
+    taken_over.progress.active_since = 0.0
+    await taken_over.handle(records[-1])
+    assert kafka.trajectories == [] and taken_over.counters["builds_deferred"] == 1
+    assert taken_over.counters["lost"] == 0 and "a4" not in taken_over.in_flight
+    unreadable[0] = False  # the new leader has caught up
+    clock[0] += 5.0
+    await taken_over.tick({1})
+    assert controls == [("a4", {"kind": "finalize", "session_id": "a4"})]
+    await taken_over.handle(Rec(CONTROL, 1, 0, orjson.dumps(controls[0][1]), b"a4"))
+    assert [t.event_id for t in kafka.trajectories] == [expected(plan).event_id]
+    assert kafka.trajectories[0].stats.completions == 4 and taken_over.counters["lost"] == 0
 
 
 def test_payload_cache_evicts_oldest_and_retains_assigned_partitions() -> None:

@@ -10,8 +10,9 @@ import time
 
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 
-from processors.payloads import LogReader
+from processors.payloads import LogReadError, LogReader
 from schemas.codec import HEADER_EVENT_TYPE
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
@@ -49,6 +50,31 @@ async def test_values_are_read_back_by_partition_and_offset(kafka: KafkaSettings
     try:
         partition, offsets = next(iter(by_partition.items()))
         assert sorted(await reader.read(partition, offsets)) == sorted(offsets)
+    finally:
+        await reader.stop()
+
+
+async def test_the_log_reader_tells_records_gone_from_records_not_readable_now(kafka: KafkaSettings) -> None:
+    """The worker asks only for offsets it saw. One below the log's start was removed by retention: absent,
+    and the session is built without it (counted lost). One at or past the start that cannot be read (past
+    the end a new leader answers with, after a broker's failure) is in the log: LogReadError, and the
+    build waits for it."""
+    async with EventProducer(kafka) as producer:
+        sent = await producer.send_many([completion(session_id="gone", sequence=i) for i in range(4)])
+    partition, offsets = sent[0].partition, [meta.offset for meta in sent]
+    topic = kafka.registry().name(Topic.COMPLETIONS)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.kafka_bootstrap)
+    await admin.start()
+    try:  # retention, by hand: the first two records leave the log
+        await admin.delete_records({TopicPartition(topic, partition): RecordsToDelete(offsets[2])})
+    finally:
+        await admin.close()
+    reader = LogReader(kafka.kafka_bootstrap, topic, fetch_bytes=kafka.fetch_bytes, timeout_s=5)
+    try:
+        values = await reader.read(partition, offsets)
+        assert sorted(values) == offsets[2:]  # the removed ones are absent, the rest read back
+        with pytest.raises(LogReadError, match=rf"offsets {offsets[-1] + 1}-{offsets[-1] + 2} of {topic}"):
+            await reader.read(partition, [*offsets, offsets[-1] + 1, offsets[-1] + 2])
     finally:
         await reader.stop()
 
