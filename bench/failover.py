@@ -374,7 +374,7 @@ def run_rollout(cluster: KafkaCluster, work: Path, *, tasks: int, samples: int, 
                 trainer.join(timeout=120)
             outcome.feed_groups = len(delivered)
             outcome.feed_repeated_groups = sum(1 for n in delivered.values() if n > 1)
-            _save_health(work, [os.environ["ROLLWIRE_PROCESSORS_PORT"]]
+            health = _save_health(work, [os.environ["ROLLWIRE_PROCESSORS_PORT"]]
                          + ([worker.health_url.rsplit(":", 1)[1].split("/")[0]] if worker and worker.health_url else []))
             for name in ("proxy", "processors", "ui"):  # the base stack stays up after a job: stop it here
                 ServiceProcess(name=name, args=(), health_url=None).stop()
@@ -382,22 +382,27 @@ def run_rollout(cluster: KafkaCluster, work: Path, *, tasks: int, samples: int, 
                 worker.stop()
             cluster.start(timeout_s=180)  # every node up again before reading back
             _compare(kafka, _calls(log), outcome)
+            outcome.details["worker_health"] = health
             asyncio.run(delete_topics(kafka.kafka_bootstrap, kafka.topic_prefix))
             os.environ.clear()
             os.environ.update(saved)
     return outcome
 
 
-def _save_health(work: Path, ports: list[str]) -> None:
-    """Keep the trajectory workers' health counters beside the run's logs (what to read when one is off)."""
+def _save_health(work: Path, ports: list[str]) -> list[str]:
+    """Keep the trajectory workers' health counters beside the run's logs (what to read when one is off);
+    returns them too, for the outcome's details."""
     import httpx
 
+    bodies = []
     for port in ports:
         try:
             body = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).text
         except httpx.HTTPError as exc:
             body = repr(exc)
         (work / f"processors-{port}-health.json").write_text(body)
+        bodies.append(body)
+    return bodies
 
 
 def start_cluster(root: Path) -> KafkaCluster:
@@ -443,7 +448,7 @@ def main() -> None:
             if key != "details" and not (name == "failover" and key == "lost"):
                 print(f"{name}_{key}={value:.2f}" if isinstance(value, float) else f"{name}_{key}={value}")
         for key, value in outcome.details.items():
-            if value:
+            if value and key != "worker_health":  # kept beside the logs (--keep)
                 print(f"{name}_{key}_sample={','.join(value)}")
     if "baseline" in runs:
         print(f"longest_wait_ratio={failover.longest_wait_s / max(runs['baseline'].longest_wait_s, 1e-3):.1f}")
