@@ -226,7 +226,9 @@ class Policy:
 
     async def _update(self, request: WeightUpdate) -> str:
         """The update's steps; returns the served model's name."""
+        began = time.perf_counter()
         reported = await self.weights.weight_version()
+        asked_version = time.perf_counter()
         previous = engine_version(reported)
         self._known = True
         self._set_version(previous)
@@ -235,10 +237,17 @@ class Policy:
             raise PolicyConflict(f"versions only go up: the engine serves version {previous}, and "
                                  f"{request.version} is not newer")
         await self._check_checkpoint(request.weights_path)
+        checked = time.perf_counter()
         model = await self.served_model()
         if self.weights_path is None:
             self.weights_path = await self.weights.served_folder()
         closed = time.perf_counter()
+        # Everything before the gate closes runs beside the calls in flight; slow here is an engine slow to
+        # answer its small GETs (seen: a CPU engine busy with a long stream), worth seeing in the log.
+        logger.info("weight update to %s: checks took %.0f ms (version %.0f, checkpoint %.0f, model %.0f); "
+                    "closing the gate on %d calls in flight", request.version, (closed - began) * 1000,
+                    (asked_version - began) * 1000, (checked - asked_version) * 1000, (closed - checked) * 1000,
+                    self.in_flight)
         self._open.clear()
         self._held_this_update = 0
         drained = self.in_flight
