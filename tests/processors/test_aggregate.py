@@ -164,8 +164,8 @@ async def test_an_evicted_payload_gone_from_the_log_is_counted_lost() -> None:
 
 
 async def test_a_call_not_readable_back_now_defers_the_build_and_never_leaves_the_call_out() -> None:
-    """After a broker's failure the partition's new leader can answer below offsets the old one served
-    (LogReader raises LogReadError for those). The worker that took the session over must not build it
+    """While a broker fails, a read-back can come back short: the partition's leader away, or a fetch slower
+    than the reader's timeout (LogReader raises LogReadError then). The worker that took the session over must not build it
     without them, as if they were gone: that trajectory would miss the calls and have another event id than
     the one the session's first worker sent. It waits; the timer asks again, and the build is the same."""
     plan = linear_session("a4", turns=4, seed=4)
