@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -136,6 +137,23 @@ async def _chat(session: dict, messages: list[dict], **body: Any) -> httpx.Respo
                                  json={"model": "m", "messages": messages, **body})
 
 
+async def _paused_stream(session: dict, messages: list[dict], streaming: asyncio.Event,
+                         resume: asyncio.Event) -> int:
+    """A streamed call whose client stops reading after the first bytes (``streaming`` set) until ``resume``;
+    returns its status once read whole. A small receive buffer keeps what the proxy can write meanwhile
+    small."""
+    transport = httpx.AsyncHTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+    async with httpx.AsyncClient(timeout=300, transport=transport) as client:
+        async with client.stream("POST", f"{session['base_urls']['openai']}/chat/completions",
+                                 headers=auth(session),
+                                 json={"model": "m", "messages": messages, "stream": True}) as response:
+            async for _ in response.aiter_raw():
+                if not streaming.is_set():
+                    streaming.set()
+                    await resume.wait()
+            return response.status_code
+
+
 async def _policy_events(kafka: KafkaSettings) -> list[WeightsUpdated]:
     async with EventConsumer(kafka, [Topic.POLICY], group_id=None, dead_letters=False) as consumer:
         return [r.event for r in await consumer.getmany(timeout_ms=3000)]
@@ -167,26 +185,37 @@ async def test_pushed_weights_are_the_ones_that_sample(synced_proxy: ProxyUnderT
     assert httpx.get(f"{proxy.url}/v1/policy", timeout=10).json()["version"] == "0"
 
     # A long call is running when the update starts: the update drains it, a call made meanwhile is held.
-    running = asyncio.create_task(_chat(long_running, MESSAGES, stream=True))
-    await asyncio.sleep(0.5)
+    # Its client reads the first bytes and then waits until the other call is held: the proxy, unable to relay
+    # more, stops reading the engine, so the call stays in flight however fast the engine samples (on a busy
+    # machine the engine could finish before the update came, and nothing was drained).
+    streaming, resume = asyncio.Event(), asyncio.Event()
+    running = asyncio.create_task(_paused_stream(long_running, MESSAGES, streaming, resume))
+    await asyncio.wait_for(streaming.wait(), 120)
     assert not running.done()
     update_began = time.monotonic()
     async with httpx.AsyncClient(timeout=600) as client:
         update = asyncio.create_task(client.post(f"{proxy.url}/v1/policy/weights", json={
             "weights_path": str(new_weights), "version": "1"}))
-        deadline = time.monotonic() + 30
-        # Past its checks (longer on a busy machine) the update closes the gate: the running call drains.
+        # Past its checks the update closes the gate: the running call drains. Here the update has reached
+        # the proxy up to 30 s after it was sent while the engine sampled the long call (section "Tests and
+        # benchmarks" of the README); the gate's wait is bounded by more than the engine's whole call.
+        deadline = time.monotonic() + 120
         while not (await client.get(f"{proxy.url}/v1/policy")).json()["holding"]:
-            assert time.monotonic() < deadline and not running.done(), "the update did not close the gate in time"
+            assert time.monotonic() < deadline and not update.done(), "the update did not close the gate in time"
             await asyncio.sleep(0.01)
         assert not running.done() and not update.done()
         held = asyncio.create_task(_chat(during, MESSAGES))
+        while not (await client.get(f"{proxy.url}/v1/policy")).json()["held_calls"]:
+            assert time.monotonic() < deadline and not held.done(), "the call made during the update was not held"
+            await asyncio.sleep(0.01)
+        assert not update.done()  # still draining the running call, whose client reads on now
+        resume.set()
         answer = await update
     update_took = time.monotonic() - update_began
     assert answer.status_code == 200, answer.text
     state = answer.json()
     assert state["version"] == "1" and state["updates"] == 1
-    assert (await running).status_code == 200
+    assert await running == 200
     held_reply = await held
     assert held_reply.status_code == 200, held_reply.text  # held, not failed
 
