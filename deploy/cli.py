@@ -2,9 +2,14 @@
 
 ``rollwire up`` brings up, in order: the project's Apache Kafka (KRaft, one node; ``--brokers 3``: a
 three-node cluster on this machine, topics replicated three times with two in sync) and its topics, the
-embedded engine (the real vLLM CPU build over the tiny local model) unless ``ROLLWIRE_ENGINE_URL`` names
-another engine, the gateway proxy, a trajectory worker (processors) and the web page (``rollwire ui``).
-``rollwire down`` stops them; ``rollwire status`` reports them.
+embedded engine (the real vLLM CPU build over the tiny local model; ``--engines N``: N of them on
+consecutive ports, served by the proxy as one pool) unless ``ROLLWIRE_ENGINE_URLS`` or ``ROLLWIRE_ENGINE_URL``
+names other engines, the gateway proxy (``--proxies N``: N proxy processes behind HAProxy on the proxy's
+address, deploy/proxy_front.py), a trajectory worker (processors) and the web page (``rollwire ui``).
+``rollwire down`` stops them; ``rollwire status`` reports them, every engine of the pool (its health, and
+what the proxy's ``/v1/engines`` says of it) and every process of the proxy tier. The embedded engines ``up``
+started are recorded in ``$ROLLWIRE_HOME/engine-pool`` (one ``NAME=URL`` a line) and a proxy tier in
+``$ROLLWIRE_HOME/proxy-tier.json``, which is how ``status`` and ``down`` know them.
 """
 
 from __future__ import annotations
@@ -15,21 +20,26 @@ from pathlib import Path
 import typer
 
 from deploy import stack
+from deploy.config import show_config
 from deploy.engine.server import VllmServer
 from deploy.errors import DeployError
 from deploy.kafka import KafkaBroker, KafkaConfig
 from deploy.kafka_cluster import KafkaCluster
+from deploy.proxy_front import run_front
 from deploy.services import ServiceProcess
-from processors.cli import rebuild as processors_rebuild
-from processors.cli import run as processors_run
+from deploy.settings import ProxyTierSettings, load
 from processors.evaluators.cli import app as evaluator_app
 from processors.groups.cli import run as groups_run
-from processors.settings import ProcessorSettings
+from processors.trajectories.cli import rebuild as processors_rebuild
+from processors.trajectories.cli import run as processors_run
+from processors.trajectories.settings import ProcessorSettings
 from producers.gateway.cli import gateway_node
 from producers.rollout.cli import rollout_server, submit
 from proxy.cli import run as proxy_run
 from proxy.cli import session_app
 from proxy.settings import ProxySettings
+from schemas import paths
+from schemas.admin_token import admin_token
 from schemas.cli import app as schemas_app
 from schemas.transport.admin import broker_answers
 from schemas.transport.errors import TransportError
@@ -55,7 +65,10 @@ app.command("export-sft", help="Build the SFT dataset (JSONL, Parquet, acceptanc
 app.command("gateway-node", help="Run a gateway node (sessions → harness runs) in the foreground.")(gateway_node)
 app.command("rollout-server", help="Run the rollout server in the foreground.")(rollout_server)
 app.command("submit", help="Submit a tasks file (JSON Lines) to the rollout server.")(submit)
+app.command("config", help="Print every ROLLWIRE_* variable: default, value here, meaning.")(show_config)
 app.command("ui", help="Serve the read-only web page (runs, sessions, traces) built from the topics.")(run_ui)
+app.command("proxy-front", help="Run HAProxy in front of several proxy processes, in the foreground "
+                                "(`up --proxies N` starts it).")(run_front)
 
 
 def _proxy_port() -> stack.Port:
@@ -82,27 +95,48 @@ def _fail(exc: DeployError | TransportError) -> None:
 def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each part (the first engine "
                                                     "start installs vLLM)."),
        engine: bool = typer.Option(True, help="Start the embedded engine (ignored with ROLLWIRE_ENGINE_URL)."),
+       engines: int = typer.Option(None, "--engines", min=1, max=64, help=(
+           "Embedded vLLM engines to run, on ROLLWIRE_ENGINE_PORT and the ports after it, all served by the "
+           "proxy as one pool (ROLLWIRE_ENGINE_URLS engine-0=..., engine-1=...). The tiny model on two cores "
+           "fits two or three. Default: ROLLWIRE_ENGINE_COUNT, else one.")),
        proxy: bool = typer.Option(True, help="Start the gateway proxy."),
+       proxies: int = typer.Option(None, "--proxies", min=1, max=32, help=(
+           "Proxy processes to run: with more than one, each on its own port (ROLLWIRE_PROXY_TIER_PORT and "
+           "after), HAProxy in front of them on ROLLWIRE_PROXY_PORT (a session's calls to one process; needs "
+           "`apt-get install -y haproxy`), its stats on ROLLWIRE_PROXY_STATS_PORT. Default: "
+           "ROLLWIRE_PROXY_COUNT, else one.")),
        processors: bool = typer.Option(True, help="Start a trajectory worker."),
        ui: bool = typer.Option(True, help="Start the web page (rollwire ui) on ROLLWIRE_UI_PORT (8790)."),
        brokers: int = typer.Option(None, "--brokers", envvar="ROLLWIRE_KAFKA_BROKERS", min=1, max=9, help=(
            "Run the project's Kafka as a cluster of this many KRaft nodes on this machine (node i on "
            "ROLLWIRE_KAFKA_PORT + 2(i-1)); 3 or more: topics with 3 replicas, 2 in sync. Default: the "
-           "cluster a previous `up --brokers` laid out, else one node."))) -> None:
+           "cluster a previous `up --brokers` laid out, else one node.")),
+       harness: list[str] = typer.Option([], "--harness", help=(
+           "Install this harness CLI (qwen-code, pi, codex, claude-code, gemini-cli, opencode) first, with "
+           "npm's progress here; repeat for several. The main job installs the harnesses its tasks name "
+           "itself."))) -> None:
     """Start the local stack (Kafka and topics, engine, proxy, processors) and print its status."""
     config = KafkaConfig.from_env()
     try:
+        if harness:
+            stack.harnesses(harness, say=lambda line: typer.echo(line, err=True))
         cluster = stack.local_cluster(config, brokers)
         settings = stack.managed_settings(config, cluster=cluster)
         stack.broker(config, settings.kafka_bootstrap, brokers=brokers, timeout_s=min(timeout_s, 300))
         typer.echo(f"topics_created={len(stack.topics(settings).created)}")
         if processors:
             stack.processors(settings, _processors_port(), timeout_s=min(timeout_s, 120))
-        engine_url = stack.external_engine_url()
-        if engine_url is not None or engine:
-            engine_url = stack.engine(engine_url, stack.engine_config(), timeout_s=timeout_s).address
-        if proxy and engine_url is not None:
-            stack.proxy(settings, engine_url, _proxy_port())
+        external = stack.external_engines()
+        pool: list[stack.Part] = []
+        if external is not None or engine:
+            configs = stack.engine_configs(_engine_count(engines))
+            pool = stack.engines(external, configs, timeout_s=timeout_s)
+            if external is None:
+                stack.write_pool_record([stack.EngineEntry(part.name, part.address) for part in pool])
+        if proxy and pool:
+            served = stack.proxy_tier(settings, pool if len(pool) > 1 or external is None else pool[0].address,
+                                      _proxy_port(), _tier_settings(proxies))
+            _warn_if_pool_differs(served.entry, pool)
         if ui:
             stack.ui(settings, stack.ui_port())
     except (DeployError, TransportError) as exc:
@@ -110,20 +144,57 @@ def up(timeout_s: float = typer.Option(1800.0, help="How long to wait for each p
     status(as_json=False)
 
 
+def _tier_settings(proxies: int | None) -> ProxyTierSettings:
+    """ROLLWIRE_PROXY_* of the tier, with ``--proxies`` for its count when given."""
+    settings = load(ProxyTierSettings)
+    return settings if proxies is None else settings.model_copy(update={"count": proxies})
+
+
+def _engine_count(engines: int | None) -> int:
+    """``--engines``, else ROLLWIRE_ENGINE_COUNT (1)."""
+    from deploy.settings import EngineServerSettings, load
+
+    return engines if engines is not None else load(EngineServerSettings).count
+
+
+def _warn_if_pool_differs(served: stack.Part, pool: list[stack.Part]) -> None:
+    """A proxy that was already running serves the engines it was started with: say so when its
+    ``/v1/engines`` lists others than this pool."""
+    if served.started:
+        return
+    states = stack.engine_states([stack.EngineEntry(p.name, p.address) for p in pool], served.address,
+                                 admin_token())
+    missing = [state["id"] for state in states if not any(key.startswith("proxy_") for key in state)]
+    if missing and len(pool) > 1:
+        typer.secho(f"warning: the proxy at {served.address} was already running and does not list "
+                    f"{', '.join(map(str, missing))}; `rollwire down` then `rollwire up --engines {len(pool)}` "
+                    "restarts it over the whole pool", fg=typer.colors.YELLOW, err=True)
+
+
 @app.command()
 def down() -> None:
-    """Stop the local stack (proxy, processors, embedded engine, Kafka)."""
+    """Stop the local stack (proxy or proxy tier, processors, embedded engine, Kafka)."""
     config = KafkaConfig.from_env()
     try:
+        front, members = stack.tier_services()
+        if members or front.pid() is not None:
+            front.stop()  # first: no call reaches a process being stopped
+            typer.echo(f"{front.name}=stopped")
+            for member in members:
+                member.stop()
+                typer.echo(f"{member.name}=stopped")
+        stack.forget_tier()
         _stopper("proxy", _proxy_port()).stop()
         typer.echo("proxy=stopped")
         _stopper("processors", _processors_port()).stop()
         typer.echo("processors=stopped")
         _stopper("ui", stack.ui_port()).stop()
         typer.echo("ui=stopped")
-        if stack.external_engine_url() is None:
-            VllmServer(stack.engine_config()).stop()
-            typer.echo("engine=stopped")
+        if stack.external_engines() is None:
+            configs = stack.recorded_engine_configs()
+            for index, engine_config in enumerate(configs):
+                VllmServer(engine_config).stop()
+                typer.echo(f"engine={'stopped' if len(configs) == 1 else f'{stack.engine_name(index)} stopped'}")
         cluster = KafkaCluster.load(config)
         if cluster is not None:
             cluster.stop()
@@ -151,14 +222,44 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
     report["kafka_bootstrap"] = settings.kafka_bootstrap
     report["kafka_answers"] = broker_answers(settings.kafka_bootstrap)
     report["topic_prefix"] = settings.topic_prefix
-    engine_url = stack.external_engine_url()
-    if engine_url is None:
-        server = VllmServer(stack.engine_config())
-        report.update({"engine_" + k: v for k, v in server.status().items() if k in ("running", "ready", "url", "model")})
+    try:
+        external = stack.external_engines()
+    except DeployError as exc:
+        _fail(exc)
+    tier = stack.read_tier_record()
+    if tier is None:
+        proxy_status = _stopper("proxy", _proxy_port()).status()
+        proxy_url = ProxySettings().public_url
     else:
-        report["engine_url"] = engine_url
-    report.update({"proxy_" + k: v for k, v in _stopper("proxy", _proxy_port()).status().items()})
-    report["proxy_url"] = ProxySettings().public_url
+        front, members = stack.tier_services()
+        proxy_status = front.status()
+        proxy_url = ProxySettings().proxy_public_url or tier.url
+    if external is None:
+        configs = stack.recorded_engine_configs()
+        for index, engine_config in enumerate(configs):
+            prefix = "engine_" if len(configs) == 1 else f"engine{index}_"
+            server_state = VllmServer(engine_config).status()
+            report.update({prefix + k: v for k, v in server_state.items() if k in ("running", "ready", "url", "model")})
+        entries = [stack.EngineEntry(stack.engine_name(i), c.url) for i, c in enumerate(configs)]
+    else:
+        entries = external
+        if len(external) == 1:
+            report["engine_url"] = external[0].url
+    if len(entries) > 1:
+        report["engines"] = len(entries)
+        states = stack.engine_states(entries, proxy_url if proxy_status["healthy"] else None, admin_token())
+        for index, state in enumerate(states):
+            report.update({f"engine{index}_{k}": v for k, v in state.items() if k != "url" or external})
+    if tier is None:
+        report.update({"proxy_" + k: v for k, v in proxy_status.items()})
+    else:
+        report["proxies"] = len(members)
+        for index, member in enumerate(members):
+            report.update({f"proxy{index}_{k}": v for k, v in member.status().items()})
+            report[f"proxy{index}_name"] = member.name
+        report.update({"proxy_front_" + k: v for k, v in proxy_status.items()})
+        report["proxy_front_stats_url"] = tier.stats_url
+    report["proxy_url"] = proxy_url
     report.update({"processors_" + k: v for k, v in _stopper("processors", _processors_port()).status().items()})
     report.update({"ui_" + k: v for k, v in _stopper("ui", stack.ui_port()).status().items()})
     if as_json:
@@ -171,13 +272,18 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
 
 
 @app.command()
-def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help=(
-                "JSON Lines, one TaskRequest a line; with --format swebench, SWE-bench / SWE-Gym instances.")),
+def rollout(tasks_file: Path = typer.Argument(..., exists=True, help=(
+                "JSON Lines, one TaskRequest a line; with --format swebench, SWE-bench / SWE-Gym instances; "
+                "with --format harbor, a folder of Harbor task folders.")),
             harness: str = typer.Option(None, help="Run every task with this harness (codex, claude-code, "
                                                    "qwen-code, pi, gemini-cli, opencode, command)."),
             file_format: str = typer.Option("tasks", "--format", help=(
-                "'tasks' (TaskRequest JSON Lines) or 'swebench' (instances, each run in its image and graded "
-                "by the swebench evaluator in a fresh container).")),
+                "'tasks' (TaskRequest JSON Lines), 'swebench' (instances, each run in its image and graded "
+                "by the swebench evaluator in a fresh container) or 'harbor' (Harbor task folders, each run in "
+                "its environment image, built here, and scored by its verifier in a fresh container).")),
+            oracle: bool = typer.Option(False, "--oracle", help="--format harbor: run each task's "
+                                        "solution/solve.sh instead of a harness (checks a task set: every "
+                                        "reward should be 1)."),
             runtime: str = typer.Option(None, help="Run every task in this runtime: 'local' or 'docker' (a "
                                                    "container per session; the Docker engine and the images "
                                                    "are brought up first)."),
@@ -192,19 +298,33 @@ def rollout(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, 
                                                        "ROLLWIRE_ROLLOUT_PORT, else a free one if taken)."),
             keep_services: bool = typer.Option(False, help="Leave the gateway node, evaluator and rollout "
                                                            "server the job started running afterwards."),
-            live: bool = typer.Option(True, help="Show live progress (off: one line per change).")) -> None:
+            live: bool = typer.Option(True, help="Show live progress (off: one line per change)."),
+            engines: int = typer.Option(None, "--engines", min=1, max=64, help=(
+                "Embedded vLLM engines to bring up for the job (see `rollwire up --engines`); default "
+                "ROLLWIRE_ENGINE_COUNT, else one. Running engines are reused.")),
+            proxies: int = typer.Option(None, "--proxies", min=1, max=32, help=(
+                "Proxy processes behind HAProxy for the job (see `rollwire up --proxies`); default "
+                "ROLLWIRE_PROXY_COUNT, else one. A running proxy (or tier of that size) is reused."))) -> None:
     """Run a tasks file end to end: bring up whatever is not running, run the tasks' sessions with live
     progress, print a summary."""
     from deploy.job import JobOptions, run_job
 
-    if file_format not in ("tasks", "swebench") or runtime not in (None, "local", "docker"):
-        typer.secho("--format is 'tasks' or 'swebench'; --runtime is 'local' or 'docker'", fg=typer.colors.RED,
-                    err=True)
+    if file_format not in ("tasks", "swebench", "harbor") or runtime not in (None, "local", "docker"):
+        typer.secho("--format is 'tasks', 'swebench' or 'harbor'; --runtime is 'local' or 'docker'",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2)
+    if oracle and file_format != "harbor":
+        typer.secho("--oracle needs --format harbor", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2)
+    if (file_format == "harbor") != tasks_file.is_dir():
+        typer.secho("--format harbor reads a folder; the other formats a file", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2)
     options = JobOptions(tasks_file=tasks_file, harness=harness, samples=samples, timeout_s=timeout_s,
                          proxy_port=proxy_port, server_port=server_port, keep_services=keep_services,
-                         live=live, file_format="swebench" if file_format == "swebench" else "tasks",
-                         runtime=runtime, max_tokens=max_tokens)
+                         live=live, file_format="harbor" if file_format == "harbor" else
+                         "swebench" if file_format == "swebench" else "tasks", oracle=oracle,
+                         runtime=runtime, max_tokens=max_tokens, engines=_engine_count(engines),
+                         proxies=_tier_settings(proxies).count)
     raise typer.Exit(code=run_job(options))
 
 
@@ -245,7 +365,7 @@ def train(proxy_url: str = typer.Option(None, help="The proxy whose engine gets 
 
     if stale not in ("drop", "downweight"):
         raise typer.BadParameter("must be drop or downweight", param_hint="--stale")
-    home = Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser()
+    home = paths.home()
     config = TrainerConfig(
         proxy_url=proxy_url or ProxySettings().public_url, model=model or stack.engine_config().model_dir,
         out=out or home / "trainer" / group_id, group_id=group_id, group_size=group_size,
@@ -334,9 +454,9 @@ at base_commit).
 
 Needs a Docker engine (adopted, or rollwire's own dockerd started: apt-get install -y docker.io),
 debootstrap (apt-get install -y debootstrap), root, the Debian mirror named by this machine's apt
-sources (default http://deb.debian.org/debian) and Node.js 20+ at /usr/bin/node. Measured on 2 cores:
-a cold base about 55 s (debootstrap 45 s; its root tarball is then cached under ~/.cache/rollwire/images),
-the harness image 35-55 s (1.1 GB of CLIs), 0.5 s per SWE image; under a second when all are up to date."""
+sources (default http://deb.debian.org/debian) and Node.js 20+ at /usr/bin/node. A cold base is mostly
+debootstrap's time (its root tarball is then cached under $ROLLWIRE_CACHE_DIR/images); images whose
+inputs did not change are not rebuilt."""
 
 
 @images_app.command("build", help=_IMAGES_HELP,

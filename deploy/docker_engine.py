@@ -44,6 +44,7 @@ from typing import Any
 
 from deploy.errors import DeployError, MissingToolError
 from deploy.kafka_dist import file_lock
+from schemas import paths
 
 SYSTEM_SOCKET_URL = "unix:///var/run/docker.sock"
 SESSION_LABEL = "rollwire.session"
@@ -62,7 +63,7 @@ class DockerEngineError(DeployError):
 
 def cache_dir() -> Path:
     """rollwire's cache (``$ROLLWIRE_CACHE_DIR``, default ``~/.cache/rollwire``)."""
-    return Path(os.environ.get("ROLLWIRE_CACHE_DIR") or "~/.cache/rollwire").expanduser()
+    return paths.cache_dir()
 
 
 def _default_exec_root(root: Path) -> Path:

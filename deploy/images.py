@@ -23,10 +23,9 @@ label matches is not rebuilt (``--force`` rebuilds); a changed base rebuilds eve
 Needs: a Docker engine (``deploy.docker_engine.ensure_engine`` adopts one or starts rollwire's own
 ``dockerd``), ``debootstrap`` (``apt-get install -y docker.io debootstrap``), the Debian mirror this
 machine's apt sources name (default ``http://deb.debian.org/debian``), root (debootstrap), Node.js 20+ at
-``/usr/bin/node`` (or on PATH) and, for CLIs not yet installed, npm and its registry. Measured on a
-2-core machine: a cold base about 55 s (debootstrap 45 s for a 280 MB root, import 6 s, Node 3 s; with
-the root tarball cached 6-10 s), the harness image 35-55 s (1.1 GB of CLIs, ~23k files), each SWE image
-0.5 s; a second ``build`` with nothing changed 0.2 s (digests only, the Node binary hashed once).
+``/usr/bin/node`` (or on PATH) and, for CLIs not yet installed, npm and its registry. A cold base is
+mostly debootstrap's time (its root tarball is then cached under the cache's ``images/``); a second
+``build`` with nothing changed only computes digests (the Node binary hashed once).
 """
 
 from __future__ import annotations

@@ -2,13 +2,16 @@
 submit the tasks, show live progress, and end with a summary table and where the outputs are.
 
 ``--format swebench`` reads SWE-bench / SWE-Gym instances instead of TaskRequests (each a docker task in
-its instance image, graded by the ``swebench`` evaluator); ``--runtime docker`` runs every task's sessions
+its instance image, graded by the ``swebench`` evaluator); ``--format harbor`` a folder of Harbor tasks
+(each a docker task in its environment image, built before the sessions start by deploy/task_images.py,
+scored by the ``harbor`` evaluator; ``--oracle`` runs their solutions); ``--runtime docker`` runs every task's sessions
 in containers (a tasks-file task without an image gets ``rollwire/harnesses:latest``, its repository
 checked out here and mounted). When any task runs in docker the Docker engine and the images are brought
 up first (``stack.docker``).
 
 What it brings up, in order, each only if nothing answers where it should already: the Kafka broker and
-its topics, the engine (embedded vLLM CPU, or ``ROLLWIRE_ENGINE_URL``), the proxy, a trajectory worker
+its topics, the engine (embedded vLLM CPU, or ``ROLLWIRE_ENGINE_URL``), the proxy (``--proxies N``: N
+processes behind HAProxy on the proxy's address, ``stack.proxy_tier``), a trajectory worker
 (processors), the rollout server, a gateway node (``rollwire gateway-node``), for each evaluator the
 tasks name ``rollwire evaluator run NAME``, and the groups worker (``rollwire groups``), each through
 its routine in deploy/stack.py. A configured port that something else holds is replaced by a
@@ -27,8 +30,10 @@ Afterwards the base stack (broker, engine, proxy, processors) keeps running, as 
 started are stopped unless ``--keep-services``.
 
 Task ids get a per-run suffix (``{task_id}-r{run}``) so that a tasks file can be run again (a task id is
-accepted once). Exit code: 0 when every session ended and none failed for infrastructure reasons; 1
-when some did (or had not ended when the job gave up waiting); 2 when the stack could not be brought
+accepted once). Sessions that fail for the infrastructure are resubmitted by the rollout
+server (ROLLWIRE_ROLLOUT_MAX_RETRIES); the summary counts the resubmissions and lists the sessions they
+replaced. Exit code: 0 when every sample's latest session ended and none failed for infrastructure (or
+unknown) reasons; 1 when some did (or had not ended when the job gave up waiting); 2 when the stack could not be brought
 up, or a task line was bad or refused.
 """
 
@@ -38,6 +43,7 @@ import dataclasses
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +55,11 @@ from deploy import stack
 from deploy.errors import DeployError
 from deploy.images import DEFAULT_INSTANCES, HARNESS_IMAGE
 from deploy.job_results import collect
+from deploy.task_images import build_task_images, task_builds
 from deploy.kafka import KafkaConfig
+from deploy.settings import ProxyTierSettings, load
 from processors.groups.settings import GroupSettings
-from processors.settings import ProcessorSettings
+from processors.trajectories.settings import ProcessorSettings
 from producers.gateway.settings import GatewaySettings
 from producers.rollout.display import (
     pages,
@@ -67,9 +75,10 @@ from producers.rollout.display import (
 from producers.rollout.settings import RolloutServerSettings
 from producers.rollout.taskfile import BadLine, Overrides, TaskFormat, TaskLine, load_tasks, post_task
 from proxy.settings import ProxySettings
+from schemas import paths
 from schemas.rollouts import TaskState, TaskStatus, TaskSubmitted
 from schemas.sessions import FailureKind
-from schemas.tasks import EngineParams
+from schemas.tasks import EngineParams, TaskRequest
 from schemas.topics import Topic
 from schemas.transport.settings import KafkaSettings
 from sinks.sft import SftCriteria
@@ -98,6 +107,12 @@ class JobOptions:
     """Run every task in this runtime kind (``local`` or ``docker``) instead of its own."""
     max_tokens: int | None = None
     """engine.max_tokens for tasks that carry no engine parameters (SWE-bench instances)."""
+    engines: int = 1
+    """Embedded engines to bring up (``--engines``), served by the proxy as one pool."""
+    proxies: int = 1
+    """Proxy processes to bring up (``--proxies``); more than one run behind HAProxy."""
+    oracle: bool = False
+    """``--format harbor``: run each task's solution/solve.sh instead of a harness."""
 
 
 # ---- the stack ----------------------------------------------------------------------------------------
@@ -134,8 +149,16 @@ class Stack:
         if part.started:
             self.started.append(part)
 
-    def up(self, evaluators: set[str], docker: bool = False) -> None:
+    def up(self, evaluators: set[str], docker: bool = False, harnesses: set[str] | None = None,
+           requests: Sequence[TaskRequest] = ()) -> None:
         self.console.print("[bold]stack[/bold]")
+        if harnesses:
+            # Before anything is submitted, in this output: a gateway node then finds each CLI installed
+            # (and would only wait on this install's lock if it came first).
+            self.console.print(f"  harnesses        checking {', '.join(sorted(harnesses))} (a first install "
+                               "takes a few minutes)…")
+            self._report(stack.harnesses(sorted(harnesses), say=lambda line: self.console.print(
+                f"    {line}", highlight=False)))
         if docker:
             # The instance images of a SWE-bench file, else the shipped examples' (scripted tasks use them).
             instances = (self.options.tasks_file if self.options.file_format == "swebench"
@@ -144,22 +167,34 @@ class Stack:
                                "takes a few minutes)…")
             self._report(stack.docker(instances, say=lambda line: self.console.print(f"    {line}",
                                                                                      highlight=False)))
+            if task_builds(requests):
+                self.console.print("  task images      building the tasks' environments (Dockerfiles)…")
+                build_task_images(requests, say=lambda line: self.console.print(f"    {line}", highlight=False))
         config = KafkaConfig.from_env()
         kafka = stack.managed_settings(config)
         self._report(stack.broker(config, kafka.kafka_bootstrap))
         self._report(stack.topics(kafka))
         self.kafka = kafka
 
-        engine = self._report(stack.engine(
-            stack.external_engine_url(), stack.engine_config(),
-            on_start=lambda: self.console.print("  engine           starting (the first start installs vLLM's "
-                                                "CPU build)…")))
+        external = stack.external_engines()
+        pool = stack.engines(
+            external, stack.engine_configs(self.options.engines),
+            on_start=lambda: self.console.print("  engines          starting (the first start installs vLLM's "
+                                                "CPU build)…"))
+        for part in pool:
+            self._report(part, "engine" if len(pool) == 1 else part.name)
+        if external is None:
+            stack.write_pool_record([stack.EngineEntry(part.name, part.address) for part in pool])
 
         proxy_settings = ProxySettings()
-        proxy = self._report(stack.proxy(kafka, engine.address, stack.Port(
-            proxy_settings.proxy_host, self.options.proxy_port or proxy_settings.proxy_port, move_if_taken=True)))
-        # A public URL the user set is how harnesses reach the proxy; else its own address.
-        self.proxy_url = proxy_settings.proxy_public_url or proxy.address
+        tier = stack.proxy_tier(
+            kafka, pool if len(pool) > 1 or external is None else pool[0].address, stack.Port(
+                proxy_settings.proxy_host, self.options.proxy_port or proxy_settings.proxy_port, move_if_taken=True),
+            load(ProxyTierSettings).model_copy(update={"count": self.options.proxies}))
+        for part in tier.parts:
+            self._report(part, "proxy" if len(tier.parts) == 1 else part.name)
+        # A public URL the user set is how harnesses reach the proxy; else its own address (the front's).
+        self.proxy_url = proxy_settings.proxy_public_url or tier.entry.address
 
         worker = ProcessorSettings()
         self._report(stack.processors(kafka, stack.Port(worker.host, worker.port, move_if_taken=True)))
@@ -177,10 +212,16 @@ class Stack:
 
         gateway = GatewaySettings()
         gateway_port = stack.Port(gateway.host, gateway.port, move_if_taken=True) if gateway.port else None
-        self._job_part(stack.gateway_node(kafka, self.proxy_url, gateway_port))
+        # The node asks one engine's health to name an outage as the cause of a failed run; behind a pool,
+        # one engine down is the proxy's to route around, so no single engine is named.
+        self._job_part(stack.gateway_node(kafka, self.proxy_url, gateway_port,
+                                          engine_url=pool[0].address if len(pool) == 1 else None))
+        # A judge with no endpoint of its own grades on the engine the job serves, called directly.
+        judge_env = ({"ROLLWIRE_JUDGE_URL": pool[0].address} if not os.environ.get("ROLLWIRE_JUDGE_URL") else {})
         for name in sorted(evaluators):
             try:
-                self._job_part(stack.evaluator(kafka, name), f"evaluator {name}")
+                self._job_part(stack.evaluator(kafka, name, env=judge_env if name == "judge" else None),
+                               f"evaluator {name}")
             except DeployError as exc:
                 self._say(f"evaluator {name}", "skipped", f"it did not start: {exc}")
         grouping = GroupSettings()
@@ -257,7 +298,7 @@ def follow(console: Console, server_url: str, task_ids: list[str], timeout_s: fl
 
 
 def _home() -> Path:
-    return Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser()
+    return paths.home()
 
 
 def _sink_files(since: float) -> list[str]:
@@ -275,11 +316,12 @@ def missing_trajectories(statuses: list[TaskStatus]) -> list[str]:
 
 
 def exit_code(statuses: list[TaskStatus]) -> int:
-    """1 if any session failed for infrastructure reasons, had not ended, or has model calls but no
-    trajectory (an infrastructure failure downstream); else 0."""
+    """1 if any sample's latest session (after resubmissions) failed for infrastructure reasons or for
+    reasons nobody could attribute, had not ended, or has model calls but no trajectory (an
+    infrastructure failure downstream); else 0."""
     for status in statuses:
         for session in status.sessions:
-            if not session.ended or session.failure == FailureKind.INFRASTRUCTURE:
+            if not session.ended or session.failure in (FailureKind.INFRASTRUCTURE, FailureKind.UNKNOWN):
                 return 1
     return 1 if missing_trajectories(statuses) else 0
 
@@ -311,7 +353,8 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
     run_id = time.strftime("%m%d%H%M%S") + secrets.token_hex(1)
     engine = EngineParams(max_tokens=options.max_tokens) if options.max_tokens else None
     loaded, bad = load_tasks(options.tasks_file, Overrides(harness=options.harness, samples=options.samples,
-                                                           task_id_suffix=f"r{run_id}", engine=engine),
+                                                           task_id_suffix=f"r{run_id}", engine=engine,
+                                                           oracle=options.oracle),
                              format=options.file_format)
     good: list[TaskLine] = []
     for line in loaded:
@@ -326,10 +369,11 @@ def run_job(options: JobOptions, console: Console | None = None) -> int:
         return 2
     evaluators = {line.request.evaluator.name for line in good if line.request.evaluator is not None}
     docker = any(line.request.runtime.kind == "docker" for line in good)
+    harnesses: set[str] = {line.request.agent.harness for line in good}
     running = Stack(console, options)
     try:
         try:
-            running.up(evaluators, docker)
+            running.up(evaluators, docker, harnesses, [line.request for line in good])
         except Exception as exc:  # noqa: BLE001 - any part failing to start ends the job with its reason
             console.print(f"[red]the stack did not come up: {exc}[/red]", highlight=False)
             return 2

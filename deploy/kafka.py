@@ -3,7 +3,7 @@
 A node is alone (the development broker) or one voter of a cluster (``KafkaConfig.quorum``: every
 voter's ``id@host:controller_port``, and the ``cluster_id`` they all format with); deploy/kafka_cluster.py
 runs such clusters. A node of a cluster of three or more replicates Kafka's internal topics three times
-with two in sync, and sets the same defaults for topics created without them (issue 19).
+with two in sync, and sets the same defaults for topics created without them.
 
 ``KafkaBroker`` resolves the jars (``deploy.kafka_dist``), writes ``server.properties`` and ``log4j2.xml``
 into its home, formats the storage on first start, runs ``java kafka.Kafka`` detached (it outlives the
@@ -29,14 +29,17 @@ from typing import Any
 
 from deploy.errors import BrokerStartError, BrokerStopError, ConfigError
 from deploy.kafka_dist import file_lock, require_java, resolve_kafka, template
+from deploy.settings import DEFAULT_KAFKA_HEAP, DEFAULT_KAFKA_PORT, DEFAULT_KAFKA_VERSION, KafkaLauncherSettings, load
+from schemas import paths
 from schemas.topics import FRAMING_BYTES, MAX_MESSAGE_BYTES
 from schemas.transport.admin import broker_answers
+from schemas.transport.settings import KafkaSettings
 
 # 4.3.1 rather than the newest minor (4.4.0, which also runs with aiokafka 0.14): a bug-fix release of a
 # settled line rather than an x.y.0. Keep equal to the image tag in deploy/compose.yaml.
-DEFAULT_VERSION = "4.3.1"
-DEFAULT_PORT = 19092
-DEFAULT_HEAP = "-Xms256m -Xmx768m"
+DEFAULT_VERSION = DEFAULT_KAFKA_VERSION
+DEFAULT_PORT = DEFAULT_KAFKA_PORT
+DEFAULT_HEAP = DEFAULT_KAFKA_HEAP
 # message.max.bytes limits a record *batch* as the broker stores it: the largest record plus the batch header
 # (61 bytes), per-record varint framing, key and headers. With the limit at exactly max_message_bytes, a
 # record of that size would be refused, so the broker-wide limits leave the same room as the clients'
@@ -49,26 +52,13 @@ _JVM_FLAGS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:InitiatingHeapOccu
 _ROTATE_LOG_BYTES = 64 * 1024 * 1024
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    try:
-        return int(value) if value else default
-    except ValueError as exc:
-        raise ConfigError(f"{name}={value!r} is not an integer; set it to a whole number or unset it") from exc
-
-
-def _env_path(name: str, default: Path) -> Path:
-    value = os.environ.get(name, "").strip()
-    return Path(value).expanduser() if value else default
-
-
 @dataclass(frozen=True)
 class KafkaConfig:
     """Which Kafka to run, where its jars and state live, where it listens, and its size limits."""
 
     version: str = DEFAULT_VERSION
-    cache_dir: Path = field(default_factory=lambda: Path("~/.cache/rollwire").expanduser())
-    home: Path = field(default_factory=lambda: Path("~/.rollwire/kafka").expanduser())
+    cache_dir: Path = field(default_factory=paths.cache_dir)
+    home: Path = field(default_factory=lambda: paths.home() / "kafka")
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     controller_port: int = DEFAULT_PORT + 1
@@ -110,22 +100,17 @@ class KafkaConfig:
 
     @classmethod
     def from_env(cls) -> KafkaConfig:
-        """The configuration from the environment; every variable is optional.
-
-        ``ROLLWIRE_KAFKA_VERSION`` (4.3.1), ``ROLLWIRE_CACHE_DIR`` (``~/.cache/rollwire``; jars in
-        ``kafka/<version>/libs``), ``ROLLWIRE_HOME`` (``~/.rollwire``; broker state in its ``kafka/``),
-        ``ROLLWIRE_KAFKA_PORT`` (19092; the controller listens on the next port), ``ROLLWIRE_KAFKA_HEAP``
-        (``-Xms256m -Xmx768m``), ``ROLLWIRE_MAX_MESSAGE_BYTES`` (8 MiB, shared with the clients).
-        """
-        port = _env_int("ROLLWIRE_KAFKA_PORT", DEFAULT_PORT)
+        """The configuration from the environment (``deploy.settings.KafkaLauncherSettings``, the home and
+        cache folders, ``ROLLWIRE_MAX_MESSAGE_BYTES``); every variable is optional."""
+        launcher = load(KafkaLauncherSettings)
         return cls(
-            version=os.environ.get("ROLLWIRE_KAFKA_VERSION", "").strip() or DEFAULT_VERSION,
-            cache_dir=_env_path("ROLLWIRE_CACHE_DIR", Path("~/.cache/rollwire").expanduser()),
-            home=_env_path("ROLLWIRE_HOME", Path("~/.rollwire").expanduser()) / "kafka",
-            port=port,
-            controller_port=port + 1,
-            heap=os.environ.get("ROLLWIRE_KAFKA_HEAP", "").strip() or DEFAULT_HEAP,
-            max_message_bytes=_env_int("ROLLWIRE_MAX_MESSAGE_BYTES", MAX_MESSAGE_BYTES),
+            version=launcher.version.strip(),
+            cache_dir=paths.cache_dir(),
+            home=paths.home() / "kafka",
+            port=launcher.port,
+            controller_port=launcher.port + 1,
+            heap=launcher.heap.strip(),
+            max_message_bytes=load(KafkaSettings).max_message_bytes,
         )
 
     @property

@@ -12,6 +12,10 @@ fi
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet -e "$root[test]"
+  # rollwire[trl]'s TRL without its torch (gigabytes): the TRL bridge's tests borrow the vLLM environment's
+  # torch (sinks/trainer/torch_env.py); the pins are pyproject.toml's trl extra.
+  "$venv/bin/python" -m pip install --quiet "psutil>=5.9.4"
+  "$venv/bin/python" -m pip install --quiet --no-deps "trl==1.16.0" "accelerate==1.15.0"
   touch "$stamp"
 fi
 

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from deploy.errors import DeployError
+from schemas import paths
 
 
 class ServiceStartError(DeployError):
@@ -35,7 +36,7 @@ class ServiceProcess:
     health_url: str | None
     env: dict[str, str] = field(default_factory=dict)
     settle_s: float = 3.0  # without a health URL: how long it must stay alive to count as started
-    home: Path = field(default_factory=lambda: Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser())
+    home: Path = field(default_factory=paths.home)
 
     @property
     def pid_file(self) -> Path:

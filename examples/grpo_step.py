@@ -35,9 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from schemas import paths  # noqa: E402
 from sinks.trainer import TrainerError, grpo_update, import_torch  # noqa: E402
 
-CACHE_DIR = Path(os.environ.get("ROLLWIRE_CACHE_DIR", "~/.cache/rollwire")).expanduser()
+CACHE_DIR = paths.cache_dir()
 DEFAULT_MODEL = CACHE_DIR / "models" / "tiny-qwen3-seed0"
 
 try:
@@ -49,7 +50,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402  (aft
 
 from schemas.topics import Topic  # noqa: E402
 from schemas.transport.settings import KafkaSettings  # noqa: E402
-from sinks.feed import TrainerFeed  # noqa: E402
+from sinks.feed import BatchConfig, ReadConfig, TrainerFeed  # noqa: E402
 
 
 # -- --demo: a few real on-policy rollouts of the tiny model, written as trajectories and groups ----------
@@ -116,9 +117,9 @@ def train(args: argparse.Namespace, settings: KafkaSettings, model, tokenizer) -
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.train()
     steps = 0
-    with TrainerFeed(settings=settings, group_id=args.group_id, token_budget=args.token_budget,
-                     pad_token_id=tokenizer.pad_token_id or 0, tensors="torch",
-                     idle_timeout_s=args.idle_timeout, linger_s=1.0) as feed:
+    batching = BatchConfig(token_budget=args.token_budget, pad_token_id=tokenizer.pad_token_id or 0,
+                           tensors="torch", idle_timeout_s=args.idle_timeout, linger_s=1.0)
+    with TrainerFeed(ReadConfig(group_id=args.group_id), batching, settings=settings) as feed:
         for batch in feed:
             update = grpo_update(model, optimizer, batch, clip_eps=args.clip)
             feed.ack(batch)

@@ -18,6 +18,7 @@ themselves; deploy (above producers) uses it for vLLM's environment.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
 import re
@@ -26,7 +27,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
@@ -89,6 +91,29 @@ def dir_bytes(path: Path) -> int:
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+@contextmanager
+def install_lock(path: Path, waiting: Callable[[str], str], say: Callable[[str], None]) -> Iterator[None]:
+    """Hold the lock file ``path`` for one install, so that two processes never install into one place.
+
+    While another process holds it, ``say`` is given ``waiting(holder)`` once (``holder``: what the lock file
+    names, ``pid N``, or "another process") and the call waits. The holder writes its own pid there."""
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            say(waiting(handle.read().strip() or "another process"))
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()}\n")
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class Reporter:

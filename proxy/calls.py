@@ -30,26 +30,24 @@ import logging
 import math
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from proxy.branches import Placement
+from proxy.continuation.branches import Placement, branch_id_for
+from proxy.continuation.restore import BranchRestorer
 from proxy.capture import CallContext, Recorder, completion_event
-from proxy.continuation import CannotContinue, Continuations
-from proxy.engine import (
-    EngineTurn,
-    TurnAssembler,
-    VllmEngine,
-    effective_request,
-    engine_body,
-    fit_max_tokens,
-)
+from proxy.continuation.exact import CannotContinue
+from proxy.engine import effective_request, engine_body, fit_max_tokens
+from proxy.fleet.pool import Engine, EnginePool
+from proxy.turns import EngineDelta, EngineTurn, TurnAssembler
 from proxy.errors import (
     CaptureFailed,
     ClientDisconnected,
     ContextOverflow,
+    EngineConnectionLost,
     EngineFailed,
+    EngineUnavailable,
     ProxyError,
     ProxyStopped,
     UnrecordableEvent,
@@ -57,12 +55,13 @@ from proxy.errors import (
 )
 from proxy.hangups import Hangup
 from proxy.metrics import ProxyMetrics
-from proxy.policy import Admission, Policy, floor_of, sampled_version
-from proxy.providers import Renderer
+from proxy.policy import Admission, Policy, floor_of, numbered_spans, sampled_version
+from proxy.apis.base import Renderer
 from proxy.relay import ClosingChunk
 from proxy.session_registry import LiveSession
-from proxy.token_api import TokenApi, TokenApiMissing
-from schemas.completions import ChatMessage, Completion, Continuation, NormalizedRequest
+from proxy.tier.claims import CallNumbers
+from proxy.continuation.token_api import TokenApi, TokenApiMissing
+from schemas.completions import ChatMessage, Completion, Continuation, NormalizedRequest, Restore
 from schemas.envelope import utcnow
 from schemas.prompt_chain import KEYFRAME_EVERY, KEYFRAME_GROWTH, ChainLink, delta_against, next_link
 
@@ -73,14 +72,14 @@ T = TypeVar("T")
 class CallService:
     """Runs calls against the engine and records them: every call that reaches it leaves one event."""
 
-    def __init__(self, engine: VllmEngine, recorder: Recorder, metrics: ProxyMetrics, policy: Policy, *,
-                 upstream_stream: bool = True) -> None:
-        self.engine = engine
+    def __init__(self, pool: EnginePool, recorder: Recorder, metrics: ProxyMetrics, policy: Policy,
+                 numbers: CallNumbers, restorer: BranchRestorer, *, upstream_stream: bool = True) -> None:
+        self.pool = pool
         self.policy = policy
-        self.tokens = TokenApi(engine.client)
-        self.continuations = Continuations(self.tokens)
         self.recorder = recorder
         self.metrics = metrics
+        self.numbers = numbers
+        self.restorer = restorer
         self.upstream_stream = upstream_stream
         self._background: set[asyncio.Task[Any]] = set()
         self._in_flight = 0  # calls inside whole() or stream()
@@ -171,8 +170,9 @@ class CallService:
 
     async def _prepare(self, request: NormalizedRequest, stream: bool) -> tuple[NormalizedRequest, dict, str]:
         """The request as it will be sent (fitted to the engine), its engine body, and the served model."""
-        model = await self.engine.served_model()
-        request = fit_max_tokens(request, self.engine.max_model_len)
+        engine = (await self.pool.serving()).client  # one pool serves one model, with one context length
+        model = await engine.served_model()
+        request = fit_max_tokens(request, engine.max_model_len)
         return request, engine_body(request, model, stream=stream), model
 
     async def whole(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
@@ -189,7 +189,7 @@ class CallService:
         """Call the engine, record the event, and return the turn (raises ProxyError, already recorded).
 
         In a session's ``exact`` mode (the default) the prompt is built by the proxy from the session's
-        branches (:mod:`proxy.continuation`) and sent as token ids; otherwise, or when the engine has no
+        branches (:mod:`proxy.continuation.exact`) and sent as token ids; otherwise, or when the engine has no
         token endpoints, the engine's chat endpoint renders it. With ``hangup``, a client that goes away
         while the call waits for the policy gate or the engine ends the call there (ClientDisconnected,
         recorded as such); once the engine has answered, the turn is recorded whatever the client does."""
@@ -204,18 +204,14 @@ class CallService:
             request, body, ctx.served_model = await self._prepare(request, stream=False)
             ctx.upstream_started_at = utcnow()
             ctx.stages.upstream_starts()
-            placement = session.branches.place(request, harness_request)
-            if placement.kind != "open" and await self._exact_mode(session):
-                with contextlib.suppress(TokenApiMissing):
-                    turn, placement = await _unless_gone(
-                        hangup, self._exact(ctx, session, request, placement, body), "the engine")
-            if turn is None:
-                turn = await _unless_gone(hangup, self.engine.complete(body), "the engine")
-                ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
+            placement = await self._place(ctx, session, request, harness_request)
+            served, placement = await _unless_gone(
+                hangup, self._on_pool(ctx, session, request, placement, body), "the engine")
+            turn = served
             admission.leave()  # the engine is done: recording must not hold up a weight update's drain
             ctx.first_token_at = utcnow()
             ctx.stages.first_bytes()
-            link = await self._record_shielded(ctx, request, turn, _delta_parent(placement, ctx.continuation))
+            link = await self._record_shielded(ctx, request, served, _delta_parent(placement, ctx.continuation))
         except asyncio.CancelledError:
             if turn is None:
                 # Cancelled while it waited: the harness hung up before an exact call's stream had its first
@@ -232,22 +228,80 @@ class CallService:
         finally:
             if admission is not None:
                 admission.leave()  # cancelled
-        _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
+        _remember(session, placement, request, ctx.sequence, served, harness_request, link, ctx.engine)
         self.metrics.event("ok")
         self.metrics.continuation(ctx.api, ctx.continuation)
-        return turn
+        return served
+
+    async def _place(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                     harness_request: NormalizedRequest) -> Placement:
+        """Where the call goes among the session's branches, once they hold every earlier call of the session
+        that another process served (read back from the log, once per call: a synthesized stream places the
+        call it serves whole again). When the log cannot be read in time the branches may be behind it: the
+        call is rendered whole, and its event says why."""
+        if not ctx.caught_up:
+            ctx.caught_up = True
+            outcome = await self.restorer.catch_up(session, self.numbers.of(session.session_id), ctx.sequence)
+            if outcome is not None:
+                self.metrics.restored(outcome.seconds, outcome.bytes_read, outcome.failed)
+                ctx.restore = Restore(ms=outcome.seconds * 1000, bytes_read=outcome.bytes_read,
+                                      records_read=outcome.records_read, replayed=outcome.replayed)
+                ctx.restore_failed = outcome.failed
+        placement = session.branches.place(request, harness_request)
+        if ctx.restore_failed is not None:
+            role = placement.branch.role if placement.branch is not None else placement.role
+            return Placement("open", None, list(request.messages), opened=ctx.restore_failed, role=role)
+        return placement
+
+    async def _on_pool(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                       placement: Placement, body: dict[str, Any]) -> tuple[EngineTurn, Placement]:
+        """The call on an engine of the pool: its branch's engine while that one serves (its prefix is cached
+        there), else the least-loaded. An engine that cannot be reached, or whose connection breaks before
+        the turn is whole, is taken out of rotation and the call goes to the next one: the harness has seen
+        nothing yet, so it is still one call and one event (``engine_attempts`` says how many were tried)."""
+        tried: set[str] = set()
+        pinned = placement.branch.engine if placement.kind != "open" and placement.branch is not None else None
+        while True:
+            engine = await self.pool.acquire(pinned, session.session_id, frozenset(tried))
+            ctx.engine, ctx.engine_attempts = engine.id, len(tried) + 1
+            failed = True
+            try:
+                turn, placement = await self._on_engine(ctx, session, request, placement, body, engine)
+                failed = False
+                return turn, placement
+            except (EngineUnavailable, EngineConnectionLost) as exc:
+                self.pool.unreachable(engine, exc)
+                tried.add(engine.id)
+                if len(tried) >= len(self.pool.engines):
+                    raise
+                logger.warning("call %s/%d: engine %s failed before the turn was whole (%s); trying another",
+                               ctx.session_id, ctx.sequence, engine.id, exc.message)
+            finally:
+                self.pool.release(engine, failed=failed)
+
+    async def _on_engine(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                         placement: Placement, body: dict[str, Any], engine: Engine) -> tuple[EngineTurn, Placement]:
+        """The call on one engine: exactly continued through its token endpoints where the session's mode and
+        the engine allow, else rendered whole by its chat endpoint."""
+        if placement.kind != "open" and await self._exact_mode(session, engine):
+            with contextlib.suppress(TokenApiMissing):
+                return await self._exact(ctx, session, request, placement, body, engine)
+        turn = await engine.client.complete(body)
+        ctx.continuation = _rendered_continuation(placement, ctx.sequence, self._fallback(session, engine))
+        return turn, placement
 
     async def _exact(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
-                     placement: Placement, body: dict[str, Any]) -> tuple[EngineTurn, Placement]:
+                     placement: Placement, body: dict[str, Any], engine: Engine) -> tuple[EngineTurn, Placement]:
         """One call through the engine's token endpoints: render, build the prompt, generate, derender."""
         model = ctx.served_model or ""
-        rendered = await self.tokens.render(body)
+        tokens, continuations = engine.tokens, engine.continuations
+        rendered = await tokens.render(body)
         full = list(rendered["token_ids"])
         prompt, prefix, closed_cut = full, 0, False
         branch = placement.branch
         if placement.kind == "continue":
             try:
-                exact = await self.continuations.extend(placement, request, model)
+                exact = await continuations.extend(placement, request, model)
                 prompt, prefix, closed_cut = exact.token_ids, exact.prefix_tokens, exact.closed_cut_turn
             except (CannotContinue, ProxyError) as exc:
                 # Never a failed call for this: the full render is the prompt, and the event says why.
@@ -256,19 +310,19 @@ class CallService:
                                     role=branch.role if branch else placement.role)
         elif placement.kind == "retry" and branch is not None:
             prompt, prefix = branch.last_prompt, branch.prompt_length
-        generation = await self.tokens.generate(
+        generation = await tokens.generate(
             TokenApi.generate_body(rendered, prompt, self._room(request, prompt)))
-        turn = await self.tokens.derender(generation, body, prompt, model)
-        ctx.weight_versions = generation.weight_versions
-        ctx.policy_version = sampled_version(generation.weight_versions) or ctx.policy_version
+        turn = await tokens.derender(generation, body, prompt, model)
+        ctx.weight_versions = numbered_spans(generation.weight_versions)
+        ctx.policy_version = sampled_version(ctx.weight_versions) or ctx.policy_version
         exact_mode = placement.kind in ("continue", "retry") and placement.branch is not None
         drift = None
         if exact_mode:
             assert placement.branch is not None
-            drift = await self.continuations.drift(placement.branch, prompt, full, request, model)
+            drift = await continuations.drift(placement.branch, prompt, full, request, model)
         ctx.continuation = Continuation(
             mode="exact" if exact_mode else "rendered",
-            branch=placement.branch.branch_id if placement.branch else session.branches.next_id,
+            branch=placement.branch.branch_id if placement.branch else branch_id_for(ctx.sequence),
             role=placement.branch.role if placement.branch else placement.role,
             parent_sequence=_parent(placement), prefix_tokens=prefix if exact_mode else 0,
             new_tokens=len(prompt) - (prefix if exact_mode else 0), closed_cut_turn=closed_cut,
@@ -277,24 +331,26 @@ class CallService:
             else None)
         return turn, placement
 
-    def _fallback(self, session: LiveSession) -> str | None:
+    @staticmethod
+    def _fallback(session: LiveSession, engine: Engine) -> str | None:
         """Why a call of an exact-mode session was rendered whole although it continues a branch."""
-        if session.spec.engine.continuation == "exact" and self.tokens.available is False:
+        if session.spec.engine.continuation == "exact" and engine.tokens.available is False:
             return "engine_has_no_token_api"
         return None
 
-    async def _exact_mode(self, session: LiveSession) -> bool:
+    async def _exact_mode(self, session: LiveSession, engine: Engine | None = None) -> bool:
         if session.spec.engine.continuation != "exact":
             return False
+        engine = engine or self.pool.any()
         try:
-            return await self.tokens.probe(await self.engine.served_model())
+            return await engine.tokens.probe(await engine.client.served_model())
         except ProxyError:
             return False  # the engine is not there: the call's own path reports that
 
     def _room(self, request: NormalizedRequest, prompt: list[int]) -> int | None:
         """Output tokens for a prompt of this length: the request's, within what the context leaves."""
         wanted = request.sampling.max_tokens
-        limit = self.engine.max_model_len
+        limit = self.pool.any().client.max_model_len
         if limit is None:
             return wanted
         room = limit - len(prompt)
@@ -314,7 +370,7 @@ class CallService:
         try:
             harness_request = request
             request = effective_request(request, session.spec.engine)
-            placement = session.branches.place(request, harness_request)
+            placement = await self._place(ctx, session, request, harness_request)
             if not self.upstream_stream or placement.kind != "open" and await self._exact_mode(session):
                 # An exact continuation's reply is parsed by the engine's derender once it is whole: its stream
                 # is synthesized from the recorded turn (first bytes when the turn is done).
@@ -332,7 +388,8 @@ class CallService:
                 request, body, ctx.served_model = await self._prepare(request, stream=True)
                 ctx.upstream_started_at = utcnow()
                 ctx.stages.upstream_starts()
-                batches = self.engine.stream(body)
+                engine, batches = await self._stream_on_pool(ctx, session, placement, body)
+                relay_failed = True
                 try:
                     async for batch in batches:
                         ctx.stages.first_bytes()
@@ -347,12 +404,14 @@ class CallService:
                             # bigger writes rather than falling further behind one token at a time.
                             started = True
                             yield b"".join(out)
+                    relay_failed = False
                 finally:
                     await batches.aclose()
+                    self.pool.release(engine, failed=relay_failed)
                     admission.leave()
                 ctx.stages.relayed()
                 turn = assembler.turn()
-                ctx.continuation = _rendered_continuation(placement, session, self._fallback(session))
+                ctx.continuation = _rendered_continuation(placement, ctx.sequence, self._fallback(session, engine))
                 outcome = "recording"
                 link = await self._record_shielded(ctx, request, turn)
                 outcome = "recorded"
@@ -382,12 +441,41 @@ class CallService:
                 # bookkeeping. Nothing awaits between that write and this (the server writes without yielding
                 # to the loop), so the session's next call still finds its branch; a hang-up at the write (the
                 # generator closed) runs it too.
-                _remember(session, placement, request, ctx.sequence, turn, harness_request, link)
+                _remember(session, placement, request, ctx.sequence, turn, harness_request, link, ctx.engine)
                 self.metrics.event("ok")
                 self.metrics.continuation(ctx.api, ctx.continuation)
                 self.metrics.stages(ctx.api, ctx.stages)
         finally:
             self._in_flight -= 1
+
+    async def _stream_on_pool(self, ctx: CallContext, session: LiveSession, placement: Placement,
+                              body: dict[str, Any]) -> tuple[Engine, AsyncGenerator[list[EngineDelta], None]]:
+        """A relayed stream from an engine of the pool, held until the caller releases it. An engine that
+        cannot be reached, or breaks before its first bytes, is taken out of rotation and the next one
+        asked; once bytes have come, a broken stream is a failed call."""
+        tried: set[str] = set()
+        pinned = placement.branch.engine if placement.kind != "open" and placement.branch is not None else None
+        while True:
+            engine = await self.pool.acquire(pinned, session.session_id, frozenset(tried))
+            ctx.engine, ctx.engine_attempts = engine.id, len(tried) + 1
+            batches = engine.client.stream(body)
+            try:
+                first = await anext(batches)
+            except StopAsyncIteration:
+                return engine, _replay([], batches)
+            except (EngineUnavailable, EngineConnectionLost) as exc:
+                await batches.aclose()
+                self.pool.release(engine, failed=True)
+                self.pool.unreachable(engine, exc)
+                tried.add(engine.id)
+                if len(tried) >= len(self.pool.engines):
+                    raise
+                continue
+            except BaseException:
+                await batches.aclose()
+                self.pool.release(engine, failed=True)
+                raise
+            return engine, _replay([first], batches)
 
     def _detach(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -402,6 +490,15 @@ class CallService:
         ctx.stages.relay = time.perf_counter() - started
         self.metrics.stages(ctx.api, ctx.stages)
         yield chunks
+
+
+async def _replay(ahead: list[list[EngineDelta]], rest: AsyncIterator[list[EngineDelta]],
+                  ) -> AsyncGenerator[list[EngineDelta], None]:
+    """The batches already read, then the rest of the stream."""
+    for batch in ahead:
+        yield batch
+    async for batch in rest:
+        yield batch
 
 
 def _unless_gone(hangup: Hangup | None, work: Coroutine[Any, Any, T], waiting_for: str) -> Awaitable[T]:
@@ -422,12 +519,12 @@ def _parent(placement: Placement) -> int | None:
     return branch.last_parent if placement.kind == "retry" else branch.last_sequence
 
 
-def _rendered_continuation(placement: Placement, session: LiveSession, fallback: str | None) -> Continuation:
+def _rendered_continuation(placement: Placement, sequence: int, fallback: str | None) -> Continuation:
     """The event's continuation block for a prompt the chat endpoint rendered whole: a new branch (its
     prompt is the full render in either mode, so the chat endpoint serves it, streaming as it samples), a
     session in rendered mode, or ``fallback`` (an engine without the token endpoints: the event says so)."""
     branch = placement.branch
-    return Continuation(mode="rendered", branch=branch.branch_id if branch else session.branches.next_id,
+    return Continuation(mode="rendered", branch=branch.branch_id if branch else branch_id_for(sequence),
                         role=branch.role if branch else placement.role, parent_sequence=_parent(placement),
                         opened=fallback or placement.opened,
                         retry_of_sequence=branch.last_sequence if placement.kind == "retry" and branch else None)
@@ -442,7 +539,8 @@ def _delta_parent(placement: Placement, continuation: Continuation | None) -> Ch
 
 
 def _remember(session: LiveSession, placement: Placement, request: NormalizedRequest, sequence: int,
-              turn: EngineTurn, harness_request: NormalizedRequest, link: ChainLink | None) -> None:
+              turn: EngineTurn, harness_request: NormalizedRequest, link: ChainLink | None,
+              engine: str | None) -> None:
     """The recorded turn becomes its branch's new end (a new branch for an ``open`` placement); ``link`` is
     its recorded event."""
     store = session.branches
@@ -455,7 +553,8 @@ def _remember(session: LiveSession, placement: Placement, request: NormalizedReq
     served = ChatMessage(role="assistant", content=turn.content, reasoning=turn.reasoning,
                          tool_calls=turn.tool_calls)
     store.record(branch, request, sequence, turn.prompt_token_ids, turn.token_ids, served, turn.finish_reason,
-                 closed=turn.ended_by_eos, retry=placement.kind == "retry", link=link)
+                 closed=turn.ends_on_end_id, retry=placement.kind == "retry", link=link)
+    branch.engine = engine
 
 
 def _check_turn(turn: EngineTurn) -> None:

@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from proxy.engine import EngineTurn, packed_token_ids
+from aiokafka.structs import RecordMetadata
+
+from proxy.turns import EngineTurn, packed_token_ids
 from proxy.errors import CaptureFailed, ProxyError, UnrecordableEvent
 from proxy.settings import CaptureCompression
 from proxy.stages import StageTimes
@@ -45,6 +47,7 @@ from schemas.completions import (
     Continuation,
     NormalizedRequest,
     ProviderApi,
+    Restore,
     Usage,
 )
 from schemas.envelope import Event, utcnow
@@ -80,6 +83,12 @@ class CallContext:
     first_token_at: datetime | None = None
     continuation: Continuation | None = None
     weight_versions: list[dict[str, Any]] | None = None
+    engine: str | None = None  # the engine that served (or last refused) the call
+    engine_attempts: int = 1
+    proxy: str | None = None  # the serving process's name within the tier
+    restore: Restore | None = None  # the read of the session's log before the call was placed, if any
+    caught_up: bool = False  # the session's branches were brought up to the log for this call
+    restore_failed: str | None = None  # why they may still be behind it (the call is then rendered whole)
     stages: StageTimes = field(default_factory=StageTimes)
 
 
@@ -122,6 +131,7 @@ def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineT
     logprobs: list[float | None] | None = None
     finish_reason: str | None = None
     message: AssistantMessage | None = None
+    stop_reason: int | str | None = None
     if error is not None:
         status, call_error = "error", error.call_error()
         # A failed call keeps what the engine had sampled before it failed, if anything.
@@ -131,21 +141,27 @@ def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineT
     else:
         assert turn is not None
         logprobs = turn.logprobs or None
-        finish_reason = turn.finish_reason
+        finish_reason, stop_reason = turn.finish_reason, turn.stop_reason
         message = AssistantMessage(content=turn.content, reasoning=turn.reasoning, tool_calls=turn.tool_calls)
     return Completion(
         session_id=ctx.session_id, task_id=ctx.task_id, sequence=ctx.sequence, agent_hints=ctx.agent_hints,
         api=ctx.api, requested_model=ctx.requested_model, served_model=ctx.served_model,
         policy_version=ctx.policy_version, request=request, request_digest=ctx.digest, request_body=ctx.body,
         retry_of=ctx.retry_of, retry_count=ctx.retry_count, timings=timings,
-        continuation=ctx.continuation, weight_versions=ctx.weight_versions,
-        status=status, error=call_error,
+        continuation=_with_restore(ctx.continuation, ctx.restore), weight_versions=ctx.weight_versions,
+        engine=ctx.engine, engine_attempts=ctx.engine_attempts, status=status, error=call_error,
         prompt_token_ids=_prompt_ids(tokens) if tokens is not None else None,
         token_ids=packed_token_ids(tokens.token_ids) if tokens is not None else None,
         logprobs=Logprobs(logprobs) if logprobs is not None else None,
-        finish_reason=finish_reason, message=message,
+        finish_reason=finish_reason, stop_reason=stop_reason, proxy=ctx.proxy, message=message,
         usage=tokens.usage if tokens is not None else Usage(),
     )
+
+
+def _with_restore(continuation: Continuation | None, restore: Restore | None) -> Continuation | None:
+    if continuation is None or restore is None:
+        return continuation
+    return continuation.model_copy(update={"restore": restore})
 
 
 def _prompt_ids(turn: EngineTurn) -> TokenIds:
@@ -166,12 +182,16 @@ async def settle_compression(settings: KafkaSettings, timeout_s: float) -> Liter
     return "producer" if codec in (None, "producer") else "broker"
 
 
+_CLAIM_TYPE = "call.claimed"  # schemas.call_claims.CallClaim: written through a producer of its own
+
+
 class Recorder:
     """Writes the proxy's events (completions, ad-hoc session specs) and waits for the broker's ack.
 
     ``producers`` (``ROLLWIRE_CAPTURE_PRODUCERS``): how many producers share the writes. aiokafka keeps
     one produce request in flight per broker, so under many concurrent calls their acks queue behind each
-    other; with several producers several requests are in flight. An event goes to the producer its key
+    other; with several producers several requests are in flight. Call claims go through one more producer of
+    their own. An event goes to the producer its key
     picks, so a session's events (the key of completions) keep their order through one producer.
     ``compression`` (``ROLLWIRE_CAPTURE_COMPRESSION``): whether the producers compress with zstd or leave
     it to the broker (see ProxySettings.capture_compression).
@@ -186,8 +206,10 @@ class Recorder:
         self.timeout_s = timeout_s
         self.compression: CaptureCompression = compression  # `auto` is settled by the first producer
         self._settling = asyncio.Lock()
-        self._producers: list[EventProducer | None] = [None] * producers
-        self._locks = [asyncio.Lock() for _ in range(producers)]
+        # One producer more than asked for, for call claims alone: a claim is a call's first write and must not
+        # queue behind the completion events (large, one request in flight per producer) of other calls' ends.
+        self._producers: list[EventProducer | None] = [None] * (producers + 1)
+        self._locks = [asyncio.Lock() for _ in range(producers + 1)]
         self.recorded = 0
         self.failures = 0
         # An outage: from the first capture that failed to the next that succeeded (harnesses got retryable
@@ -210,9 +232,12 @@ class Recorder:
                 self._on_outage_end(outage)
 
     def _slot(self, event: Event) -> int:
-        if len(self._producers) == 1:
+        events = len(self._producers) - 1
+        if event.event_type == _CLAIM_TYPE:
+            return events
+        if events == 1:
             return 0
-        return zlib.crc32(event.key()) % len(self._producers)
+        return zlib.crc32(event.key()) % events
 
     async def _ready_producer(self, slot: int = 0) -> EventProducer:
         async with self._locks[slot]:
@@ -264,15 +289,15 @@ class Recorder:
             raise CaptureFailed(f"Kafka is unavailable, so the call cannot be recorded ({exc!r}); "
                                 "retry shortly") from exc
 
-    async def record(self, event: Event) -> None:
-        """Return once the broker has ``event``; raise CaptureFailed (Kafka failed, retryable) or
-        UnrecordableEvent (this event can never be written as it is)."""
+    async def record(self, event: Event) -> RecordMetadata:
+        """Return where the broker put ``event`` once it has it; raise CaptureFailed (Kafka failed,
+        retryable) or UnrecordableEvent (this event can never be written as it is)."""
         slot = self._slot(event)
         try:
             producer = await self._ready_producer(slot)
             # asyncio.timeout, not wait_for: no task of its own, so one loop turn less before the ack counts.
             async with asyncio.timeout(self.timeout_s):
-                await producer.send(event)
+                written = await producer.send(event)
         except EventTooLargeError as exc:
             raise UnrecordableEvent(f"the call is too large to record: {exc}") from exc
         except (TypeError, ValueError, RecursionError) as exc:
@@ -284,6 +309,7 @@ class Recorder:
             await self._discard_producer(slot)
             raise CaptureFailed(f"the call could not be recorded (Kafka: {exc!r}); retry shortly") from exc
         self._succeeded()
+        return written
 
     async def record_completion(self, event: Completion,
                                 smaller: Callable[[], Completion | None] | None = None) -> Completion:

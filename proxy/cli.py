@@ -43,7 +43,7 @@ def run(host: str = typer.Option(None, help="Listen address (ROLLWIRE_PROXY_HOST
     app = create_app(settings)
     # Everything imported so far (modules, pydantic's schemas: about 120k objects) lives as long as the
     # process: out of the cyclic collector's way, its full collections stop walking it on every pass
-    # (they were pauses of tens of milliseconds under load, issue 17).
+    # (pauses of tens of milliseconds under load otherwise).
     gc.collect()
     gc.freeze()
     # A call's garbage is freed by reference counting as it goes; the cyclic collector only needs to run

@@ -2,155 +2,35 @@
 
 Every provider API is normalized into one request form and sent here as a chat completion with
 ``return_token_ids`` and ``logprobs``, the model pinned to the served model. Replies come back as an
-:class:`EngineTurn` (whole) or a sequence of :class:`EngineDelta` (streamed) that a
-:class:`TurnAssembler` folds into the same turn. Streams come in batches (what one socket read held)
+:class:`~proxy.turns.EngineTurn` (whole) or a sequence of :class:`~proxy.turns.EngineDelta` (streamed). Streams come in batches (what one socket read held)
 through aiohttp; everything else (whole replies, models, tokenize, the token and weight APIs) through
 httpx. Both clients' errors become :mod:`proxy.errors` exceptions.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 import httpx
-import numpy as np
 import orjson
 
 from proxy.errors import (
     BadRequest,
     ContextOverflow,
+    EngineConnectionLost,
     EngineFailed,
     EngineTimeout,
     EngineUnavailable,
     ProxyError,
 )
 from proxy.settings import ProxySettings
-from schemas.arrays import TokenIds
+from proxy.turns import EngineDelta, EngineTurn, ToolCallDelta
 from schemas.completions import ChatMessage, NormalizedRequest, ToolCall, Usage
 from schemas.tasks import EngineParams
-
-
-@dataclass(slots=True)
-class ToolCallDelta:
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass(slots=True)
-class EngineDelta:
-    """One streamed chunk of the engine's reply, with the tokens it carries."""
-
-    content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    # The engine's own entry per sampled token (``logprobs.content[i]``, kept as it came: token string,
-    # bytes, top alternatives), for a harness that asked for logprobs; ``logprobs`` holds their values.
-    logprob_entries: list[dict[str, Any]] = field(default_factory=list)
-    prompt_token_ids: list[int] | None = None
-    usage: Usage | None = None
-
-    @property
-    def has_text(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
-
-
-@dataclass(slots=True)
-class EngineTurn:
-    """The engine's whole reply to one call."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float | None]
-    content: str | None
-    reasoning: str | None
-    tool_calls: list[ToolCall]
-    finish_reason: str | None
-    usage: Usage
-    response_id: str | None = None
-    stop_reason: int | str | None = None  # a stop string or id that ended the turn; None for EOS
-    # The prompt ids already packed for the event (a stream packs them as they arrive, off the end of the
-    # call where the event is written); None: packed when the event is built.
-    packed_prompt: TokenIds | None = None
-    # The engine's entry per sampled token (see EngineDelta.logprob_entries), for a whole reply; empty when
-    # it gave none, and for a streamed one, whose entries went out with their chunks and are not kept (a
-    # long reply's entries are hundreds of bytes a token).
-    logprob_entries: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def ended_by_eos(self) -> bool:
-        """The model sampled its end-of-turn token (the last sampled id closes the turn)."""
-        return self.finish_reason in ("stop", "tool_calls") and self.stop_reason is None
-
-
-class TurnAssembler:
-    """Folds streamed deltas into an :class:`EngineTurn`."""
-
-    def __init__(self) -> None:
-        self.prompt_token_ids: list[int] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float | None] = []
-        self._content: list[str] = []
-        self._reasoning: list[str] = []
-        self._calls: dict[int, ToolCallDelta] = {}
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.usage: Usage | None = None
-        self.packed_prompt: TokenIds | None = None
-
-    def add(self, delta: EngineDelta) -> None:
-        if delta.prompt_token_ids is not None:
-            self.prompt_token_ids = delta.prompt_token_ids
-            try:
-                self.packed_prompt = packed_token_ids(delta.prompt_token_ids)
-            except Exception:  # not ids at all: the event's own build says so (proxy/capture.py)
-                self.packed_prompt = None
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
-        if delta.content:
-            self._content.append(delta.content)
-        if delta.reasoning:
-            self._reasoning.append(delta.reasoning)
-        for part in delta.tool_calls:
-            call = self._calls.setdefault(part.index, ToolCallDelta(part.index))
-            call.id = call.id or part.id
-            call.name = call.name or part.name
-            call.arguments += part.arguments
-        if delta.finish_reason:
-            self.finish_reason = delta.finish_reason
-            self.stop_reason = delta.stop_reason
-        if delta.usage is not None:
-            self.usage = delta.usage
-
-    def turn(self) -> EngineTurn:
-        calls = [ToolCall(id=c.id or f"call_{i}", name=c.name or "", arguments=c.arguments)
-                 for i, c in sorted(self._calls.items())]
-        usage = self.usage or Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
-        return EngineTurn(self.prompt_token_ids, self.token_ids, self.logprobs, "".join(self._content) or None,
-                          "".join(self._reasoning) or None, calls, self.finish_reason, usage,
-                          stop_reason=self.stop_reason, packed_prompt=self.packed_prompt)
-
-
-def packed_token_ids(values: list[int]) -> TokenIds:
-    """The engine's token ids as the event's packed array, through ``array.array`` (C, and strict: a
-    float, a string or an id past int32 is refused there); what it refuses goes through ``TokenIds``'s own
-    checks, which say what is wrong. About half the cost of TokenIds(list) for a 38k-token prompt."""
-    try:
-        buffer = array.array("i", values)
-    except (TypeError, OverflowError):
-        return TokenIds(values)
-    return TokenIds(np.frombuffer(buffer, dtype=np.intc))
 
 
 def engine_message(message: ChatMessage) -> dict[str, Any]:
@@ -358,7 +238,7 @@ class VllmEngine:
 
     @property
     def client(self) -> httpx.AsyncClient:
-        """The HTTP client to the engine (shared with :class:`proxy.token_api.TokenApi`)."""
+        """The HTTP client to the engine (shared with :class:`proxy.continuation.token_api.TokenApi`)."""
         return self._client
 
     async def served_model(self) -> str:
@@ -433,8 +313,8 @@ class VllmEngine:
                 raise error
 
     def _stream_reads(self, body: dict[str, Any]) -> contextlib.AbstractAsyncContextManager[AsyncIterator[bytes]]:
-        """The streamed reply's body, one item a socket read, through aiohttp (about a third of httpx's CPU
-        per chunk, issue 17); an engine transport given to the constructor (tests that rewrite the engine's
+        """The streamed reply's body, one item a socket read, through aiohttp (less CPU per chunk than
+        httpx); an engine transport given to the constructor (tests that rewrite the engine's
         replies) keeps the httpx client. Either client's errors leave as :mod:`proxy.errors` exceptions."""
         return self._httpx_reads(body) if self._transport is not None else self._aiohttp_reads(body)
 
@@ -553,7 +433,7 @@ def translate_http_error(exc: httpx.HTTPError) -> ProxyError:
         return EngineTimeout(f"the engine did not answer in time: {exc!r}")
     if isinstance(exc, httpx.HTTPStatusError):
         return error_from_response(exc.response.status_code, exc.response.text)
-    return EngineFailed(f"the engine connection failed: {exc!r}")
+    return EngineConnectionLost(f"the engine connection failed: {exc!r}")
 
 
 def translate_aiohttp_error(exc: aiohttp.ClientError) -> ProxyError:
@@ -562,4 +442,4 @@ def translate_aiohttp_error(exc: aiohttp.ClientError) -> ProxyError:
         return EngineUnavailable(f"the engine cannot be reached: {exc!r}")
     if isinstance(exc, aiohttp.ServerTimeoutError):
         return EngineTimeout(f"the engine did not answer in time: {exc!r}")
-    return EngineFailed(f"the engine connection failed: {exc!r}")
+    return EngineConnectionLost(f"the engine connection failed: {exc!r}")

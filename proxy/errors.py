@@ -7,6 +7,8 @@ harness sees. Retryable ones (engine down, capture failed) use 5xx so that SDKs 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from schemas.completions import CallError, CallErrorKind
 
@@ -57,6 +59,12 @@ class NotFound(BadRequest):
     status_code = 404
 
 
+class MethodNotAllowed(BadRequest):
+    """The path exists, but not for this method (Gemini's methods are POSTed)."""
+
+    status_code = 405
+
+
 class UpgradeRequired(BadRequest):
     """The client asked for a protocol this route does not speak (a WebSocket upgrade)."""
 
@@ -91,6 +99,10 @@ class EngineFailed(ProxyError):
     """The engine answered with an error or with something unusable."""
 
     kind, status_code = "engine_error", 502
+
+
+class EngineConnectionLost(EngineFailed):
+    """The connection to the engine broke (reset, closed) without an HTTP answer."""
 
 
 class CaptureFailed(ProxyError):
@@ -155,6 +167,26 @@ class UnrecordableEvent(ProxyError):
     The caller records a slimmed failed-call event instead (tokens kept, request dropped)."""
 
     kind, status_code = "payload_too_large", 413
+
+
+class ApiError(ProxyError):
+    """A refusal of rollwire's own API (sessions, policy), answered as ``{"detail": message}``."""
+
+    kind = "bad_request"
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def first_error_text(errors: Sequence[Mapping[str, Any]], prefix: str = "") -> tuple[str, str]:
+    """Where the first of pydantic's (or FastAPI's) validation errors is, dotted ("" for the whole body), and
+    what it says."""
+    if not errors:
+        return prefix, "invalid request"
+    first = errors[0]
+    where = ".".join(str(part) for part in (*([prefix] if prefix else []), *first.get("loc", ())))
+    return where, str(first.get("msg", "invalid"))
 
 
 def as_proxy_error(exc: BaseException, where: str = "") -> ProxyError:

@@ -5,7 +5,9 @@ policy: weight updates by status, how long calls were held, the calls held now, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -65,6 +67,27 @@ class ProxyMetrics:
         self.policy_version = Gauge("rollwire_proxy_policy_version", "The engine's weight version, when it is a "
                                     "number (-1: unknown).", registry=self.registry)
         self.policy_version.set(-1)
+        self.engine_healthy = Gauge("rollwire_proxy_engine_healthy", "1 while the engine gets new calls.",
+                                    ["engine"], registry=self.registry)
+        self.engine_in_flight = Gauge("rollwire_proxy_engine_in_flight", "Calls on the engine now.", ["engine"],
+                                      registry=self.registry)
+        self.engine_calls = Gauge("rollwire_proxy_engine_calls_total", "Calls placed on the engine.", ["engine"],
+                                  registry=self.registry)
+        self.engine_errors = Gauge("rollwire_proxy_engine_errors_total", "Calls that failed on the engine.",
+                                   ["engine"], registry=self.registry)
+        self.engine_hit_rate = Gauge("rollwire_proxy_engine_prefix_cache_hit_rate", "The engine's own prefix-cache "
+                                     "hit rate since it started (-1: it does not say).", ["engine"],
+                                     registry=self.registry)
+        self.restores = Histogram(
+            "rollwire_proxy_restore_seconds", "Reads of a session's log before one of its calls, because another "
+            "process served some of its calls (or this one before it was started again), by outcome.",
+            ["outcome"], buckets=_STAGE_BUCKETS, registry=self.registry)
+        self.restore_bytes = Counter("rollwire_proxy_restore_bytes", "Bytes of completions read to restore "
+                                     "sessions' branches.", registry=self.registry)
+        self.call_numbers = Histogram(
+            "rollwire_proxy_call_number_seconds", "Numbering a call on the claims log: its claim written, then "
+            "waited for until this process's reader has passed it.", buckets=_STAGE_BUCKETS, registry=self.registry)
+        self._engines: Callable[[], list[dict[str, Any]]] | None = None
 
     def error(self, api: str, kind: str) -> None:
         self.errors.labels(api=api, kind=kind).inc()
@@ -76,6 +99,11 @@ class ProxyMetrics:
             return
         for stage, seconds in done.items():
             self.stage_seconds.labels(api=api, stage=stage).observe(seconds)
+
+    def restored(self, seconds: float, bytes_read: int, failed: str | None) -> None:
+        """One read of a session's log (``failed``: why its branches may still be behind it)."""
+        self.restores.labels(outcome=failed or "ok").observe(seconds)
+        self.restore_bytes.inc(bytes_read)
 
     def event(self, status: str) -> None:
         self.events.labels(status=status).inc()
@@ -92,7 +120,19 @@ class ProxyMetrics:
             for kind in kinds:
                 self.drift.labels(api=api, kind=kind).inc()
 
+    def watch_engines(self, states: Callable[[], list[dict[str, Any]]]) -> None:
+        """Where the per-engine figures come from when the page is rendered (the pool's own state)."""
+        self._engines = states
+
     def render(self, session_counts: dict[str, int]) -> bytes:
         for state, count in session_counts.items():
             self.sessions.labels(state=state).set(count)
+        for engine in self._engines() if self._engines is not None else ():
+            name = str(engine["id"])
+            self.engine_healthy.labels(engine=name).set(float(bool(engine["healthy"])))
+            self.engine_in_flight.labels(engine=name).set(float(engine["in_flight"]))
+            self.engine_calls.labels(engine=name).set(float(engine["calls"]))
+            self.engine_errors.labels(engine=name).set(float(engine["errors"]))
+            rate = engine["prefix_cache_hit_rate"]
+            self.engine_hit_rate.labels(engine=name).set(-1.0 if rate is None else float(rate))
         return generate_latest(self.registry)

@@ -5,12 +5,14 @@ done with it (:meth:`Admission.leave`). While the gate is open that costs a flag
 call runs under the version known then, which the proxy stamps on its completion event (the engine's
 own ``weight_versions`` spans win on the token path, see :func:`sampled_version`).
 
-A weight update (:meth:`Policy.update`, ``POST /v1/policy/weights``) closes the gate (new calls wait: the
-harness sees a slower reply, never an error), waits for the calls in flight to finish on the old weights,
-has the engine pause, load the checkpoint, take the new version, drop its prefix cache and resume
-(:mod:`proxy.weight_api`), reopens the gate and writes a :class:`~schemas.policy.WeightsUpdated` event
-to the ``policy`` topic. Because nothing runs on the engine while it changes, a call's version is known
-exactly. One update at a time; versions only go up.
+A weight update (:meth:`Policy.update`, ``POST /v1/policy/weights``) closes the gate of every proxy process
+of the tier (new calls wait: the harness sees a slower reply, never an error), waits for the calls in flight
+on all of them to finish on the old weights, has the engines pause, load the checkpoint, take the new
+version, drop their prefix caches and resume (:mod:`proxy.weight_api`), writes a
+:class:`~schemas.policy.WeightsUpdated` event to the ``policy`` topic and reopens every gate. The process
+that received the push coordinates; the tier agrees through the ``policy`` topic (:mod:`proxy.policy_tier`),
+and a process alone in its tier does the same through it. Because nothing runs on the engines while they
+change, a call's version is known exactly. One update at a time across the tier; versions only go up.
 
 A session whose ``policy_version`` is a number (``"7"``, ``"v7"``) is a floor: its calls wait until the
 engine serves that version or a newer one, up to ``ROLLWIRE_POLICY_FLOOR_WAIT_S``, then fail with a 503
@@ -25,11 +27,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from proxy.capture import Recorder
 from proxy.errors import (
+    CaptureFailed,
     CheckpointRefused,
     DrainTimeout,
     PolicyConflict,
@@ -39,9 +43,13 @@ from proxy.errors import (
     WeightUpdateFailed,
 )
 from proxy.metrics import ProxyMetrics
-from proxy.weight_api import WeightApi, tied_head_missing
+from proxy.fleet.weights import PoolWeights
+from proxy.weight_api import tied_head_missing
 from schemas.api import PolicyState, WeightUpdate
-from schemas.policy import INITIAL_VERSION, WeightsUpdated, version_number
+from schemas.policy import INITIAL_VERSION, ProxyDrain, WeightsUpdated, version_number
+
+if TYPE_CHECKING:
+    from proxy.policy_tier import PolicyTier
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,15 @@ def engine_version(reported: str | None) -> str:
     if reported is None or reported.strip() in _ENGINE_INITIAL:
         return str(INITIAL_VERSION)
     return reported
+
+
+def numbered_spans(spans: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Generate's ``weight_versions`` spans with each version as the policy numbers it (vLLM's initial
+    ``"default"`` is 0), so that every reader of the event sees the version the proxy serves under."""
+    if spans is None:
+        return None
+    return [{**span, "version": engine_version(str(span["version"]))}
+            if isinstance(span, dict) and span.get("version") is not None else span for span in spans]
 
 
 def sampled_version(spans: list[dict[str, Any]] | None) -> str | None:
@@ -92,7 +109,7 @@ class Admission:
 class Policy:
     """The engine's weight version, the gate in front of it, and the update routine (one per proxy)."""
 
-    def __init__(self, weights: WeightApi, recorder: Recorder, metrics: ProxyMetrics,
+    def __init__(self, weights: PoolWeights, recorder: Recorder, metrics: ProxyMetrics,
                  served_model: Callable[[], Awaitable[str]], floor_wait_s: float) -> None:
         self.weights = weights
         self.recorder = recorder
@@ -103,7 +120,9 @@ class Policy:
         self.weights_path: str | None = None  # the checkpoint serving now, restored if an update fails
         self.updates = 0
         self.last_paused_ms: float | None = None
-        self.updating_to: str | None = None
+        self.updating_to: str | None = None  # the version of the update this process coordinates
+        self.following: str | None = None  # the version of the tier's update, when another process runs one
+        self.tier: PolicyTier | None = None  # the other proxy processes, through the log (set by ProxyState.build)
         self.held = 0
         self.in_flight = 0
         self._known = False
@@ -112,6 +131,8 @@ class Policy:
         self._open.set()
         self._changed = asyncio.Event()  # set, then replaced, whenever the version changes
         self._idle: asyncio.Event | None = None  # set when the last call in flight leaves during a drain
+        self._holds: set[str] = set()  # why the gate is closed: an update's id, or the process's start
+        self._drained_at_close = 0
         self._held_this_update = 0
 
     # -- the hot path ---------------------------------------------------------------------------------
@@ -142,7 +163,7 @@ class Policy:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.floor_wait_s
         self.held += 1
-        if self.updating_to is not None:
+        if not self._open.is_set() or self.updating_to is not None:
             self._held_this_update += 1
         self.metrics.calls_held.inc()
         self.metrics.calls_held_total.inc()
@@ -164,6 +185,52 @@ class Policy:
         finally:
             self.held -= 1
             self.metrics.calls_held.dec()
+
+    # -- the gate, for the tier -----------------------------------------------------------------------
+    def hold(self, reason: str) -> None:
+        """Close the gate for ``reason`` (an update's id, or this process's start): new calls wait until every
+        reason is released."""
+        if not self._holds:
+            self._open.clear()
+            self._drained_at_close = self.in_flight
+            self._held_this_update = 0
+        self._holds.add(reason)
+
+    def release(self, reason: str) -> bool:
+        """Release one reason the gate was closed for; it opens once none is left. Whether ``reason`` held it
+        (releasing twice is fine)."""
+        held = reason in self._holds
+        self._holds.discard(reason)
+        if not self._holds:
+            self._open.set()
+        return held
+
+    async def drain_here(self, timeout_s: float, instance: str) -> ProxyDrain:
+        """Wait for this process's calls in flight (its gate closed) to finish: its part of an update."""
+        try:
+            await self._drain(timeout_s)
+        except DrainTimeout as exc:
+            return ProxyDrain(instance=instance, status="drain_timeout", drained_calls=self._drained_at_close,
+                              held_calls=self._held_this_update, error=exc.message)
+        return ProxyDrain(instance=instance, drained_calls=self._drained_at_close, held_calls=self._held_this_update)
+
+    def follow(self, version: str, weights_path: str | None) -> None:
+        """Take the version (and, after a good update, the checkpoint) another process's update left the
+        engines at, before this process's gate reopens: its calls then carry that version, and its pool brings
+        an engine that rejoins to that checkpoint."""
+        self._known = True
+        self._set_version(version)
+        if weights_path is not None:
+            self.weights_path = weights_path
+            self.weights.follow(weights_path, version)
+
+    def start_tier(self) -> None:
+        if self.tier is not None:
+            self.tier.start()
+
+    async def stop_tier(self) -> None:
+        if self.tier is not None:
+            await self.tier.stop()
 
     # -- the engine's version -----------------------------------------------------------------------------
     def _set_version(self, version: str | None) -> None:
@@ -196,7 +263,7 @@ class Policy:
 
     async def refresh(self) -> None:
         """Read the engine's version again (not while an update runs: it sets the version itself)."""
-        if self.updating_to is None:
+        if self.updating_to is None and self.following is None:
             self._known = False
             await self.learn()
 
@@ -205,8 +272,10 @@ class Policy:
         if self.version is None:
             raise WeightApiMissing("the engine reports no weight version (vLLM serves GET /weight_info only with "
                                    "VLLM_SERVER_DEV_MODE=1), so this proxy cannot track or update its policy")
-        return PolicyState(served_model=served_model, version=self.version, updating=self.updating_to is not None,
-                           holding=not self._open.is_set(), updates=self.updates, last_paused_ms=self.last_paused_ms, held_calls=self.held)
+        return PolicyState(served_model=served_model, version=self.version,
+                           updating=self.updating_to is not None or self.following is not None,
+                           holding=not self._open.is_set(), updates=self.updates, last_paused_ms=self.last_paused_ms,
+                           held_calls=self.held, tier=self.tier.live() if self.tier is not None else [])
 
     # -- weight updates -------------------------------------------------------------------------------
     async def update(self, request: WeightUpdate) -> PolicyState:
@@ -217,15 +286,24 @@ class Policy:
         a failed event written). Run it shielded: a caller that goes away must not leave the gate closed."""
         if self.updating_to is not None:
             raise PolicyConflict(f"a weight update to version {self.updating_to} is in progress; one at a time")
+        if self.following is not None:
+            running = self.tier.running() if self.tier is not None else None
+            raise PolicyConflict(f"a weight update to version {self.following} is in progress (coordinated by "
+                                 f"{running.coordinator if running else 'another proxy'}); one at a time")
         self.updating_to = request.version
         try:
             model = await self._update(request)
         finally:
             self.updating_to = None
+            if self.tier is not None:
+                self.tier.done()  # cancelled or not, this process's heartbeat names no update from now on
         return self.state(model)
 
     async def _update(self, request: WeightUpdate) -> str:
         """The update's steps; returns the served model's name."""
+        tier = self.tier
+        if tier is None:
+            raise RuntimeError("a Policy updates weights through its PolicyTier (made by ProxyState.build)")
         began = time.perf_counter()
         reported = await self.weights.weight_version()
         asked_version = time.perf_counter()
@@ -245,31 +323,44 @@ class Policy:
         # Everything before the gate closes runs beside the calls in flight; slow here is an engine slow to
         # answer its small GETs (seen: a CPU engine busy with a long stream), worth seeing in the log.
         logger.info("weight update to %s: checks took %.0f ms (version %.0f, checkpoint %.0f, model %.0f); "
-                    "closing the gate on %d calls in flight", request.version, (closed - began) * 1000,
-                    (asked_version - began) * 1000, (checked - asked_version) * 1000, (closed - checked) * 1000,
-                    self.in_flight)
-        self._open.clear()
-        self._held_this_update = 0
-        drained = self.in_flight
+                    "closing the gates of the tier (%s) on %d calls in flight here", request.version,
+                    (closed - began) * 1000, (asked_version - began) * 1000, (checked - asked_version) * 1000,
+                    (closed - checked) * 1000, ", ".join(tier.live()), self.in_flight)
+        update_id = uuid.uuid4().hex
+        status: Literal["ok", "failed", "withdrawn"] = "withdrawn"
+        parts: list[ProxyDrain] = []
         failure: ProxyError | None = None
         load_ms = 0.0
         try:
-            await self._drain(request.drain_timeout_s)
+            update = await tier.begin(update_id, request, model)  # this gate closes at once, the others on the log
+            status = "failed"
+            parts = await tier.drains(update)
+            late = [part for part in parts if part.status == "drain_timeout"]
+            if late:
+                raise DrainTimeout("; ".join(f"proxy {part.instance}: {part.error}" for part in late))
             load_ms = await self._swap(request, reported or previous)
             self._set_version(request.version)
+            status = "ok"
         except ProxyError as exc:
             failure = exc
-            if not isinstance(exc, DrainTimeout):
+            if not isinstance(exc, (DrainTimeout, PolicyConflict, CaptureFailed)):
                 await self.refresh_after_failure()
         finally:
-            self._open.set()  # held calls go on, whatever happened (cancellation included)
+            tier.finish_here(update_id)  # held calls go on, whatever happened (cancellation included)
         paused_ms = (time.perf_counter() - closed) * 1000
+        if status == "ok":
+            self.updates += 1
+            self.last_paused_ms = paused_ms
+        if status != "withdrawn":
+            own = [part.model_copy(update={"held_calls": self._held_this_update}) if part.instance == tier.instance
+                   else part for part in parts]
+            await self._emit(model, request, previous, status, paused_ms, load_ms, update_id, tier.instance, own,
+                             failure.message if failure is not None else None)
+        await tier.tell(update_id, model, status, self.version or previous,
+                        request.weights_path if status == "ok" else None,
+                        failure.message if failure is not None else None)
         if failure is not None:
-            await self._emit(model, request, previous, "failed", paused_ms, load_ms, drained, failure.message)
             raise failure
-        self.updates += 1
-        self.last_paused_ms = paused_ms
-        await self._emit(model, request, previous, "ok", paused_ms, load_ms, drained, None)
         return model
 
     async def _check_checkpoint(self, weights_path: str) -> None:
@@ -341,7 +432,8 @@ class Policy:
             self._set_version(engine_version(await self.weights.weight_version()))
 
     async def _emit(self, model: str, request: WeightUpdate, previous: str, status: Literal["ok", "failed"],
-                    paused_ms: float, load_ms: float, drained: int, error: str | None) -> None:
+                    paused_ms: float, load_ms: float, update_id: str, coordinator: str, proxies: list[ProxyDrain],
+                    error: str | None) -> None:
         """The update's event on the ``policy`` topic, and its metrics. A Kafka failure is logged: the
         engine has changed either way, and the answer must say so."""
         self.metrics.weight_updates.labels(status=status).inc()
@@ -349,8 +441,10 @@ class Policy:
         event = WeightsUpdated(served_model=model, version=self.version or previous, previous_version=previous,
                                weights_path=request.weights_path, status=status,
                                error=error if error is None else f"update to version {request.version}: {error}",
-                               paused_ms=paused_ms, load_ms=load_ms, held_calls=self._held_this_update,
-                               drained_calls=drained)
+                               paused_ms=paused_ms, load_ms=load_ms,
+                               held_calls=sum(part.held_calls for part in proxies),
+                               drained_calls=sum(part.drained_calls for part in proxies), engines=self.weights.report(),
+                               update_id=update_id, coordinator=coordinator, proxies=proxies)
         try:
             await self.recorder.record(event)
         except ProxyError as exc:

@@ -1,11 +1,11 @@
 """The proxy's session registry: which sessions are live, found by id or by the key a harness sends.
 
 The registry is a view of two topics: ``sessions`` (compacted specs) and ``session-events`` (their
-ends), read from the beginning by every proxy instance. The proxy never invents a session: an id or key
+ends), read from the beginning by every proxy process. The proxy never invents a session: an id or key
 the registry does not know, after a short wait for it to catch up, is refused, and a call addressed by
-path must still carry that session's own key (:meth:`SessionRegistry.authenticate`). Per-session call numbers
-(``sequence``) and the digests that identify SDK retries live here too; they are this instance's, so a
-session's calls should be routed to one proxy instance (as a key-hashing load balancer does).
+path must still carry that session's own key (:meth:`SessionRegistry.authenticate`). Each live session also
+holds this process's view of its branches (:class:`~proxy.continuation.branches.BranchStore`) and how far
+that view has read the session's log; call numbers come from the claims log (:mod:`proxy.tier.claims`).
 """
 
 from __future__ import annotations
@@ -14,47 +14,45 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from proxy.branches import BranchStore
+from aiokafka.partitioner import DefaultPartitioner
+
+from proxy.continuation.branches import BranchStore
 from proxy.errors import UnknownSession
+from proxy.follow import follow_forever
 from schemas.envelope import Event
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.topics import Topic
 from schemas.transport import EventConsumer, KafkaSettings
-from schemas.transport.errors import TransportError
 
 logger = logging.getLogger(__name__)
 
-_RECENT_DIGESTS = 32
+_PARTITIONER = DefaultPartitioner()  # the producers' own: a session's records land where it says
 
 
 @dataclass
 class LiveSession:
-    """A registered session as the proxy tracks it."""
+    """A registered session as this proxy process tracks it."""
 
     spec: SessionSpec
     ended: bool = False
-    next_sequence: int = 0
-    recent: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    first_seen_ms: int | None = None  # when its spec was first written, as the log says
     branches: BranchStore = field(default_factory=BranchStore)
+    # Calls other processes served that are now in ``branches`` (or given up on), and where this process's
+    # last read of the session's completions ended; reads of the log are one at a time per session.
+    replayed: set[int] = field(default_factory=set)
+    log_read_to: int | None = None
+    restore_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def session_id(self) -> str:
         return self.spec.session_id
 
-    def take_sequence(self, digest: str | None, retry_count: int) -> tuple[int, int | None]:
-        """Number this call; for an SDK retry of an earlier identical body, also return that call's number."""
-        sequence = self.next_sequence
-        self.next_sequence += 1
-        retry_of = self.recent.get(digest) if digest is not None and retry_count > 0 else None
-        if digest is not None:
-            self.recent[digest] = sequence if retry_of is None else retry_of
-            self.recent.move_to_end(digest)
-            while len(self.recent) > _RECENT_DIGESTS:
-                self.recent.popitem(last=False)
-        return sequence, retry_of
+    def partition(self, partitions: int) -> int:
+        """The session's partition of its topics (they are keyed by session, with one partition count)."""
+        key = self.session_id.encode("utf-8")
+        return int(_PARTITIONER(key, list(range(partitions)), list(range(partitions))))
 
 
 class SessionRegistry:
@@ -72,12 +70,17 @@ class SessionRegistry:
         ended = sum(1 for s in self._by_id.values() if s.ended)
         return {"live": len(self._by_id) - ended, "ended": ended}
 
-    async def apply(self, event: Event) -> None:
-        """Take a spec or an end event into the registry."""
+    def live_since_ms(self) -> int | None:
+        """When the earliest session still live was first seen on the log (None: none live, or unknown)."""
+        seen = [s.first_seen_ms for s in self._by_id.values() if not s.ended and s.first_seen_ms is not None]
+        return min(seen) if seen else None
+
+    async def apply(self, event: Event, timestamp_ms: int | None = None) -> None:
+        """Take a spec or an end event into the registry (``timestamp_ms``: its record's time)."""
         if isinstance(event, SessionSpec):
             current = self._by_id.get(event.session_id)
             if current is None:
-                self._by_id[event.session_id] = LiveSession(event)
+                self._by_id[event.session_id] = LiveSession(event, first_seen_ms=timestamp_ms)
             elif current.spec.api_key != event.api_key:
                 # Another writer's spec for a session id in use: the session stays whose it was (its key
                 # keeps working, the newcomer's is never taken), so neither writes into the other's calls.
@@ -151,7 +154,8 @@ class RegistryFeed:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="rollwire-session-registry")
+        self._task = asyncio.create_task(follow_forever(self._follow, "the session registry"),
+                                         name="rollwire-session-registry")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -159,21 +163,11 @@ class RegistryFeed:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._follow()
-            except asyncio.CancelledError:
-                raise
-            except TransportError as exc:
-                logger.warning("session registry lost Kafka (%s); retrying in 2 s", exc)
-                await asyncio.sleep(2)
-
     async def _follow(self) -> None:
         async with EventConsumer(self.settings, [Topic.SESSIONS, Topic.SESSION_EVENTS], group_id=None,
                                  service="proxy-registry", dead_letters=False) as consumer:
             while True:
                 for received in await consumer.getmany(timeout_ms=200):
-                    await self.registry.apply(received.event)
+                    await self.registry.apply(received.event, received.timestamp_ms)
                 if not self.caught_up.is_set() and await consumer.lag() == 0:
                     self.caught_up.set()

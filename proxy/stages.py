@@ -1,4 +1,4 @@
-"""Where one model call's time goes: the proxy's four stages, timed per call (issue 17).
+"""Where one model call's time goes: the proxy's four stages, timed per call (bench.proxy_overhead prints them).
 
 - ``parse``: from the request's arrival to the engine request going out (authentication, reading and
   parsing the body, normalizing it, the policy gate, building the engine body): the proxy's own work.

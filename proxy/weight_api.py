@@ -100,14 +100,25 @@ class WeightApi:
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
                     params: dict[str, str] | None = None, *, quick: bool = False) -> Any:
         """One request; ``quick`` ones (reading the version) use the client's own timeouts, the steps of an
-        update the long one (loading a large checkpoint takes minutes)."""
-        try:
-            response = await self._client.request(
-                method, path, params=params, timeout=httpx.USE_CLIENT_DEFAULT if quick else self._timeout,
-                content=orjson.dumps(body) if body is not None else None, headers=_JSON if body is not None else None)
-        except httpx.HTTPError as exc:
-            error = translate_http_error(exc)
-            raise WeightUpdateFailed(f"engine {path}: {error.message}") from exc
+        update the long one (loading a large checkpoint takes minutes).
+
+        A request whose connection breaks without an answer is sent once more, on a new connection: vLLM
+        closes the connection after a failed ``/collective_rpc`` (it answers the 500, then re-raises), so the
+        very next step on that engine, the rollback's reload of the previous checkpoint, would otherwise meet
+        a closed connection, and the engine would be resumed half-loaded. Every step may be repeated (the
+        same pause, load, version, reset or resume twice does what it did once)."""
+        for attempt in (0, 1):
+            try:
+                response = await self._client.request(
+                    method, path, params=params, timeout=httpx.USE_CLIENT_DEFAULT if quick else self._timeout,
+                    content=orjson.dumps(body) if body is not None else None,
+                    headers=_JSON if body is not None else None)
+                break
+            except httpx.HTTPError as exc:
+                if attempt == 0 and isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+                    continue
+                error = translate_http_error(exc)
+                raise WeightUpdateFailed(f"engine {path}: {error.message}") from exc
         if response.status_code in _MISSING_STATUSES:
             raise WeightApiMissing(f"the engine does not serve {path} (HTTP {response.status_code}): start vLLM "
                                    "with VLLM_SERVER_DEV_MODE=1 for weight updates")

@@ -14,12 +14,15 @@ import os
 import secrets
 from pathlib import Path
 
+from schemas import paths
+
+
 ADMIN_TOKEN_VARIABLE = "ROLLWIRE_PROXY_ADMIN_TOKEN"
 _FILE_NAME = "proxy-admin-token"
 
 
 def admin_token_file() -> Path:
-    return Path(os.environ.get("ROLLWIRE_HOME") or "~/.rollwire").expanduser() / _FILE_NAME
+    return paths.home() / _FILE_NAME
 
 
 def admin_token() -> str | None:

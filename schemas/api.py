@@ -74,3 +74,5 @@ class PolicyState(Model):
     updates: int = Field(default=0, ge=0, description="Weight updates this proxy coordinated.")
     last_paused_ms: float | None = None
     held_calls: int = Field(default=0, ge=0, description="Calls waiting now for an update to finish.")
+    tier: list[str] = Field(default_factory=list, description=(
+        "The proxy processes of the tier this one hears from (itself included): an update waits for their drains."))

@@ -29,6 +29,8 @@ from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
+from schemas.errors import SchemaError
+
 _DTYPES: dict[str, np.dtype] = {
     "i4": np.dtype("<i4"),
     "f4": np.dtype("<f4"),
@@ -37,7 +39,7 @@ _DTYPES: dict[str, np.dtype] = {
 }
 
 
-class ArrayCodecError(ValueError):
+class ArrayCodecError(SchemaError, ValueError):
     """A packed array string is malformed or holds values its type does not allow."""
 
 

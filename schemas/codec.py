@@ -16,12 +16,14 @@ from typing import Annotated, Any, Union
 import orjson
 from pydantic import Field, TypeAdapter, ValidationError
 
+from schemas.errors import SchemaError
+from schemas.call_claims import CallClaim
 from schemas.completions import Completion
 from schemas.dead_letter import DeadLetter
 from schemas.envelope import Event, utcnow
 from schemas.evaluations import Evaluation
 from schemas.groups import Group
-from schemas.policy import WeightsUpdated
+from schemas.policy import ProxyAlive, TierGate, WeightsUpdated
 from schemas.sessions import SessionEnded, SessionSpec, SessionStageChanged
 from schemas.tasks import TaskAccepted
 from schemas.topics import TopicSpec
@@ -29,8 +31,8 @@ from schemas.trajectories import Trajectory
 from schemas.versions import supported_versions
 
 EVENT_MODELS: tuple[type[Event], ...] = (
-    TaskAccepted, SessionSpec, SessionStageChanged, SessionEnded, Completion, Evaluation, Trajectory,
-    Group, WeightsUpdated, DeadLetter,
+    TaskAccepted, SessionSpec, SessionStageChanged, SessionEnded, Completion, CallClaim, Evaluation, Trajectory,
+    Group, WeightsUpdated, TierGate, ProxyAlive, DeadLetter,
 )
 EVENT_TYPES: dict[str, type[Event]] = {
     model.model_fields["event_type"].default: model for model in EVENT_MODELS
@@ -43,7 +45,7 @@ HEADER_EVENT_TYPE = "rollwire-event-type"
 HEADER_SCHEMA_VERSION = "rollwire-schema-version"
 
 
-class EventDecodeError(ValueError):
+class EventDecodeError(SchemaError, ValueError):
     """A record value is not an event this consumer can take."""
 
     def __init__(self, error_type: str, reason: str) -> None:

@@ -159,6 +159,16 @@ class Drift(Model):
     rendered_prompt_tokens: int = Field(ge=0, description="Length of the full re-render.")
 
 
+class Restore(Model):
+    """The read of the session's log that came before this call: another proxy process served some of its
+    earlier calls (or this one did before it was started again), so their branches were read back first."""
+
+    ms: float = Field(ge=0, description="How long the read took (the call waited for it).")
+    bytes_read: int = Field(ge=0, description="Bytes of the session's partition of completions read.")
+    records_read: int = Field(ge=0, description="Records read (any session's: the partition is shared).")
+    replayed: int = Field(ge=0, description="Calls of this session replayed into its branches.")
+
+
 class Continuation(Model):
     """How the proxy built this call's prompt, and which branch of the session it belongs to."""
 
@@ -179,6 +189,8 @@ class Continuation(Model):
     retry_of_sequence: int | None = Field(default=None, description=(
         "This call re-asks the parent's successor turn: that call's sample was abandoned."))
     drift: Drift | None = None
+    restore: Restore | None = Field(default=None, description=(
+        "Set when the session's log was read before this call was placed (see docs/proxy-tier.md)."))
 
 
 class PromptDelta(Model):
@@ -237,6 +249,18 @@ class Completion(Event):
         "None for calls recorded before the proxy built prompts itself, and for refused calls."))
     weight_versions: list[dict[str, Any]] | None = Field(default=None, description=(
         "The engine's weight version spans over the sampled tokens, when the engine reports them."))
+    engine: str | None = Field(default=None, description=(
+        "The engine that served the call (its configured name, else its URL): stable across restarts, so a "
+        "session's engine pin can be read back from its last completion."))
+    stop_reason: int | str | None = Field(default=None, description=(
+        "What stopped a 'stop' turn, as vLLM says it: absent for the tokenizer's end of sequence, the token id "
+        "for another end id (the generation config's, the request's stop_token_ids), the text for a stop "
+        "string. With finish_reason and token_ids it tells whether the turn was closed by a sampled id."))
+    proxy: str | None = Field(default=None, max_length=256, description=(
+        "The proxy process that served the call (its name within the tier, ROLLWIRE_PROXY_INSTANCE)."))
+    engine_attempts: int = Field(default=1, ge=1, description=(
+        "Engines the call was sent to: more than 1 when an engine refused it before sampling anything and "
+        "another served it."))
     prompt_delta: PromptDelta | None = Field(default=None, description=(
         "Version 2: set on a delta event (prompt_token_ids and request.messages hold only what is new; "
         "resolve with schemas.prompt_chain), None on a keyframe."))

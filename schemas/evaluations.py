@@ -21,7 +21,7 @@ class Evaluation(Event):
     session_id: str = Field(min_length=1)
     task_id: str | None = None
     evaluator: str = Field(min_length=1)
-    evaluator_version: str | None = None  # added for issue 7: which version of the evaluator scored it
+    evaluator_version: str | None = None  # which version of the evaluator scored it
     status: Literal["ok", "error"] = "ok"
     reward: float | None = Field(default=None, description="None only when status is 'error'.")
     passed: bool | None = None

@@ -21,6 +21,7 @@ class GroupSample(Model):
     advantage: float | None = Field(default=None, description="None when kept out of training.")
     status: SessionStatus | None = None
     failure: FailureKind | None = None
+    attempt: int = Field(default=0, description="Which session of the sample this is (0: the first; n: its n-th resubmission).")
     in_baseline: bool = Field(description="Whether its reward entered the group's mean and std.")
 
 
@@ -41,8 +42,12 @@ class Group(Event):
     baseline_mean: float | None = None
     baseline_std: float | None = None
     complete: bool = Field(default=True, description="False when emitted at a deadline with samples missing.")
-    # Added for issue 7 (processors/groups): how the advantages were computed and whether they carry signal.
+    # How the advantages were computed (processors/groups) and whether they carry signal.
     no_signal: bool = Field(default=False, description=(
         "All baseline rewards equal (or fewer than two): every advantage is 0, no gradient signal."))
     evaluator: str | None = Field(default=None, description="Evaluator whose rewards the group uses.")
     estimator: Literal["grpo", "leave_one_out"] | None = Field(default=None, description="Advantage estimator.")
+    usable: int | None = Field(default=None, description=(
+        "Samples the policy can be judged on: scored, or failed by the policy (not infrastructure, not unknown)."))
+    insufficient: bool = Field(default=False, description=(
+        "Fewer than the groups worker's minimum share of samples are usable: kept out of the trainer feed."))

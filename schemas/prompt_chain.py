@@ -293,6 +293,15 @@ class PromptChains:
         self.resolved += 1
         return full
 
+    def remember(self, link: ChainLink) -> None:
+        """Take ``link`` as a possible parent (a reader that starts in the middle of a partition and already
+        holds the chains' last events: the proxy restoring a session's branches)."""
+        self._remember(link)
+
+    def link(self, event_id: str) -> ChainLink | None:
+        """The link of an event resolved (or remembered) and still in the cache."""
+        return self._links.get(event_id)
+
     def _fail(self, event_id: str, reason: str, root: str) -> NoReturn:
         """Count and raise; ``root`` (the chain's first break) is what this event's children will be told."""
         self.missing += 1

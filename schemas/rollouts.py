@@ -15,9 +15,10 @@ from typing import Literal
 from pydantic import Field
 
 from schemas.envelope import Model
+from schemas.attribution import Cause
 from schemas.sessions import FailureKind, SessionStage, SessionStatus
 
-# ---- rollout server (issue 6, producers/rollout) -------------------------------------------------------
+# ---- rollout server (producers/rollout) ----------------------------------------------------------------
 
 
 class TaskSubmitted(Model):
@@ -52,16 +53,31 @@ class EvaluationView(Model):
     error: str | None = None
 
 
+class RetryView(Model):
+    """An earlier session of the same sample, replaced after it failed for the infrastructure."""
+
+    session_id: str
+    cause: Cause | None = None
+    reason: str | None = None
+
+
 class SessionStatusView(Model):
-    """One session as its events describe it."""
+    """One session as its events describe it (in a task's status: the sample's latest session, with the
+    ones it replaced under ``retries``)."""
 
     session_id: str
     sample_index: int
     stage: SessionStage = Field(default=SessionStage.QUEUED, description="The last stage entered.")
     status: SessionStatus | None = Field(default=None, description="How it ended; None while it runs.")
     failure: FailureKind | None = None
+    cause: Cause | None = None
     reason: str | None = None
     exit_code: int | None = None
+    attempt: int = Field(default=0, description="0 for the task's own session; n for the n-th resubmission.")
+    retries: list[RetryView] = Field(default_factory=list, description=(
+        "The sessions of this sample this one replaced, oldest first."))
+    retry_pending: bool = Field(default=False, description=(
+        "It failed for the infrastructure and will be resubmitted (the task is not done before)."))
     node: str | None = Field(default=None, description="Gateway node that ran it.")
     started_at: datetime | None = Field(default=None, description="When it left the queue (first stage event).")
     ended_at: datetime | None = None
@@ -136,7 +152,7 @@ class TaskSummary(Model):
 # ---- end of rollout server models ----------------------------------------------------------------------
 
 
-# ---- gateway node HTTP API (issue 6, producers/gateway) ------------------------------------------------
+# ---- gateway node HTTP API (producers/gateway) -------------------------------------------------------
 
 
 class HeldSession(Model):

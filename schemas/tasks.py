@@ -33,6 +33,20 @@ def memory_bytes(text: str) -> int:
     return int(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()]
 
 
+class ImageBuild(Model):
+    """How the docker runtime makes ``runtime.image`` when the engine does not have it: ``docker build`` of a
+    folder on the machine that runs the session (nothing is pulled: every base image must be on the engine)."""
+
+    context: str = Field(min_length=1, description="The build context: an absolute folder path on the machine "
+                         "that runs the session (a Harbor task's environment/).")
+    dockerfile: str = Field(default="Dockerfile", min_length=1, description="The Dockerfile, relative to context.")
+    timeout_s: float = Field(default=600.0, gt=0, description="How long the build may take.")
+    snapshot_workdir: bool = Field(default=True, description=(
+        "Commit the image's WORKDIR as a git repository in a last layer (unless it is one already), so that a "
+        "session's changes are its diff against that commit. Needs git in the image and a WORKDIR other "
+        "than /."))
+
+
 class RuntimeSpec(Model):
     """Where a session's harness runs and what its workspace starts from."""
 
@@ -41,6 +55,9 @@ class RuntimeSpec(Model):
     base_commit: str | None = None
     setup: list[str] = Field(default_factory=list, description="Shell commands run once in the workspace.")
     image: str | None = Field(default=None, description="Container image (docker runtime only).")
+    build: ImageBuild | None = Field(default=None, description=(
+        "How to build ``image`` when the engine lacks it (docker only); a failed build fails the session's "
+        "init with the reason."))
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     mounts: list[str] = Field(default_factory=list, description="'host:container[:ro]' (docker only).")
@@ -135,6 +152,10 @@ class TaskRequest(Model):
         "'v-1', '-3', 'V7', '1.5') is refused."))
     metadata: dict[str, Any] = Field(default_factory=dict)
     callback_url: str | None = None
+    max_retries: int | None = Field(default=None, ge=0, le=10, description=(
+        "How many times a sample whose session failed for the infrastructure (schemas.attribution) is "
+        "resubmitted as a new session. Unset: the rollout server's ROLLWIRE_ROLLOUT_MAX_RETRIES, written "
+        "into the accepted request so that every reader of the log sees the same number."))
 
 
 class TaskAccepted(Event):

@@ -41,6 +41,7 @@ class Topic(str, enum.Enum):
     SESSIONS = "sessions"
     SESSION_EVENTS = "session-events"
     COMPLETIONS = "completions"
+    CALL_CLAIMS = "call-claims"
     EVALUATIONS = "evaluations"
     TRAJECTORIES = "trajectories"
     GROUPS = "groups"
@@ -123,6 +124,10 @@ class TopicRegistry:
                 # Kept forever by default: the completion log is the source every view is rebuilt from.
                 return TopicSpec(topic, name, KeyedBy.SESSION_ID, s, retention_ms=-1,
                                  event_types=frozenset({"completion"}), compression=BROKER_COMPRESSION)
+            case Topic.CALL_CLAIMS:
+                # One small record per model call, read by every proxy process: a week covers any live session.
+                return TopicSpec(topic, name, KeyedBy.SESSION_ID, s, retention_ms=_WEEK_MS,
+                                 event_types=frozenset({"call.claimed"}))
             case Topic.EVALUATIONS:
                 return TopicSpec(topic, name, KeyedBy.SESSION_ID, s, retention_ms=-1,
                                  event_types=frozenset({"evaluation"}))
@@ -133,9 +138,11 @@ class TopicRegistry:
                 return TopicSpec(topic, name, KeyedBy.TASK_ID, t, retention_ms=-1,
                                  event_types=frozenset({"group"}))
             case Topic.POLICY:
-                # One record per weight push: small, kept as the history of which weights served when.
+                # One record per weight push: small, kept as the history of which weights served when. The
+                # proxy tier's heartbeats and update gates go here too (one partition: one order for the tier).
                 return TopicSpec(topic, name, KeyedBy.SERVED_MODEL, 1, retention_ms=-1,
-                                 event_types=frozenset({"policy.weights_updated"}))
+                                 event_types=frozenset({"policy.weights_updated", "policy.gate",
+                                                        "policy.proxy_alive"}))
             case Topic.DEAD_LETTER:
                 return TopicSpec(topic, name, KeyedBy.ORIGINAL_KEY, t, retention_ms=4 * _WEEK_MS,
                                  event_types=frozenset({"dead_letter"}))

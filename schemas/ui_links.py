@@ -8,16 +8,27 @@ listens by default). A run id is the main job's (its task ids end in ``-r<run id
 
 from __future__ import annotations
 
-import os
 from urllib.parse import quote
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_UI_PORT = 8790
 DEFAULT_UI_URL = f"http://127.0.0.1:{DEFAULT_UI_PORT}"
 
 
+class UiLinkSettings(BaseSettings):
+    """Where the web page is reached from, for whatever prints links to it."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLWIRE_UI_", extra="ignore", env_ignore_empty=True)
+
+    url: str = Field(default=DEFAULT_UI_URL, description=(
+        "The web page's address as printed links use it (the summary's, `rollwire session new`'s)."))
+
+
 def ui_base_url() -> str:
     """The UI's base URL (``ROLLWIRE_UI_URL``, no trailing slash)."""
-    return (os.environ.get("ROLLWIRE_UI_URL") or DEFAULT_UI_URL).rstrip("/")
+    return UiLinkSettings().url.rstrip("/")
 
 
 def _join(path: str, base: str | None) -> str:

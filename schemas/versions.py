@@ -28,7 +28,8 @@ Retiring version N (``Literal[N, N+1]`` becomes ``Literal[N+1]``) is allowed onl
 Then remove N from the ``Literal``, drop the code that only N needed, and write the retirement in this
 docstring's history below.
 
-History: ``completion`` 1 (full prompt on every event) → 2 (prompt deltas), nothing retired yet.
+History: ``completion`` 1 (full prompt on every event) → 2 (prompt deltas); ``policy.weights_updated`` 1 →
+2 (the proxy tier's part: ``update_id``, ``coordinator``, ``proxies``); nothing retired yet.
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sinks.errors import BudgetError as BudgetError
+
 
 @dataclass(frozen=True, slots=True)
 class TrainingSequence:
@@ -96,10 +98,6 @@ class BatchArrays:
     def shape(self) -> tuple[int, int]:
         rows, columns = self.input_ids.shape
         return rows, columns
-
-
-class BudgetError(ValueError):
-    """A budget or row length that cannot hold anything."""
 
 
 def padded_cost(lengths: Sequence[int], pad_to_multiple_of: int = 1) -> int:

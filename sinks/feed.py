@@ -1,7 +1,8 @@
 """The online trainer feed: `groups` (joined to their trajectories), or `trajectories`, as training batches.
 
-    with TrainerFeed("127.0.0.1:19092", group_id="trainer-1", token_budget=16384,
-                     max_staleness=2, policy_version=0) as feed:
+    with TrainerFeed(ReadConfig(group_id="trainer-1", bootstrap="127.0.0.1:19092"),
+                     BatchConfig(token_budget=16384), staleness=StalenessConfig(max_staleness=2),
+                     policy_version=0) as feed:
         for batch in feed:
             loss = step(batch)          # batch.input_ids, .loss_mask, .logprobs, .advantages, ...
             feed.ack(batch)             # commits the consumer group's offsets through this batch
@@ -11,8 +12,10 @@ What it reads (``topic``):
 
 - ``"groups"`` (the default): a batch is made of whole GRPO groups, each sample's trajectory found on
   `trajectories` (sinks/join.py). A sample with ``advantage`` None (a failed or infrastructure-failed
-  session, kept out of training) or without a trajectory is skipped. ``skip_no_signal`` passes over groups
-  whose rewards were all equal (every advantage 0), as dynamic-sampling trainers do.
+  session, kept out of training) or without a trajectory is skipped. A group the groups worker marked
+  ``insufficient`` (fewer usable samples than its minimum share, after resubmissions) is passed over
+  (``stats.insufficient_groups_skipped``). ``skip_no_signal`` passes over groups whose rewards were all
+  equal (every advantage 0), as dynamic-sampling trainers do.
 - ``"trajectories"``: one sample per trajectory, for algorithms that train on each rollout as it comes.
   With ``rewards=True`` (the default) the session's reward (from `evaluations`) and its group advantage
   (from `groups`) are joined by session id (the reverse join, sinks/join.py): the feed waits for the
@@ -23,13 +26,14 @@ What it reads (``topic``):
   algorithms that need no reward. An unknown reward or advantage is NaN in ``Batch.sample_rewards`` /
   ``Batch.sample_advantages``, False in ``Batch.has_reward`` / ``Batch.has_advantage``, and 0 in the
   per-token ``advantages`` array (so a loss multiplied by it gets nothing from that sequence). A session
-  that failed for the infrastructure's sake is not trained on in either mode. Trajectories waiting for
+  that failed for the infrastructure's sake, or whose failure is ``unknown`` (schemas/attribution.py), is
+  not trained on in either mode. Trajectories waiting for
   their reward do not hold back the ones after them: batches may be laid out of read order, and the
   commits still never pass a record that has not been trained on (sinks/offsets.py). ``max_groups`` then
   bounds the trajectories per batch. A topic under another name is read as groups unless ``reads`` says.
 
 In both modes every trace of a trajectory whose branch role the feed keeps becomes one sequence. Roles:
-``roles=`` or ``ROLLWIRE_FEED_ROLES``, main and sub_agent by default (a side call such as title generation
+``ReadConfig.roles`` or ``ROLLWIRE_FEED_ROLES``, main and sub_agent by default (a side call such as title generation
 must not carry the task's advantage; see sinks/roles.py); traces left out for their role are counted per
 role in ``stats.traces_skipped_by_role``.
 
@@ -102,23 +106,20 @@ from sinks.batching import (
     pad_sequences,
     padded_cost,
 )
+from sinks.errors import FeedError as FeedError
 from sinks.join import DEFAULT_OUTCOME_SESSIONS, OutcomeJoin, TrajectoryJoin
 from sinks.offsets import OffsetLedger
 from sinks.roles import feed_roles_from_env, parse_roles
 from sinks.sources import Entry, FeedStats, GroupSource, Source, TrajectorySource
 from sinks.staleness import StaleAction, StalenessPolicy, VersionSource, Verdict, current_version, lag_of
 
-__all__ = ["Batch", "FeedError", "FeedStats", "TrainerFeed"]
+__all__ = ["Batch", "BatchConfig", "FeedError", "FeedStats", "JoinConfig", "ReadConfig", "StalenessConfig", "TrainerFeed"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ARRAY_FIELDS = ("input_ids", "attention_mask", "position_ids", "loss_mask", "logprobs", "advantages",
                 "segment_ids")
-
-
-class FeedError(Exception):
-    """The trainer feed cannot go on (Kafka unreachable, a commit refused)."""
 
 
 @dataclass(slots=True)
@@ -216,34 +217,93 @@ def _nan(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
+@dataclass(frozen=True, slots=True)
+class ReadConfig:
+    """What the feed reads and as whom: the topic, the trainer's consumer group (its committed position),
+    the branch roles trained on, and how the consumer reads and commits."""
+
+    group_id: str
+    topic: str = Topic.GROUPS.value
+    bootstrap: str | None = None
+    """Overrides the settings' ``kafka_bootstrap`` when given."""
+    roles: Iterable[str] | None = None
+    """The branch roles whose traces are trained on (None: ``ROLLWIRE_FEED_ROLES``, else main and sub_agent)."""
+    reads: Literal["groups", "trajectories"] | None = None
+    """How ``topic`` is read (None: as trajectories when it is the trajectories topic, else as groups)."""
+    from_beginning: bool = True
+    max_poll_interval_s: float = 1800.0
+    dedupe_window: int = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """How batches are laid out and when one is yielded: the token budget (padding included), padding or
+    packing, the tensors' kind, and the waits."""
+
+    token_budget: int
+    pack: bool = False
+    row_tokens: int | None = None
+    """The packed rows' length (None: the budget)."""
+    pad_token_id: int = 0
+    pad_to_multiple_of: int = 1
+    max_groups: int | None = None
+    tensors: Literal["torch", "numpy"] = "torch"
+    device: Any = None
+    linger_s: float = 1.0
+    """A partial batch is yielded once no new group has come for this long."""
+    idle_timeout_s: float | None = None
+    """Iteration stops after this long without any group (None: never, an online trainer waits)."""
+    skip_no_signal: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessConfig:
+    """What the feed does with a group whose weights are more than ``max_staleness`` versions behind the
+    trainer's (sinks/staleness.py)."""
+
+    max_staleness: int | None = None
+    stale: StaleAction = "drop"
+    stale_decay: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class JoinConfig:
+    """The joins behind a batch: groups to their trajectories, or trajectories to their rewards and
+    advantages (sinks/join.py)."""
+
+    trajectories_topic: str = Topic.TRAJECTORIES.value
+    lookback_s: float | None = 3600.0
+    timeout_s: float = 30.0
+    index_bytes: int = 2 * 1024 ** 3
+    rewards: bool = True
+    reward_wait_s: float = 60.0
+    evaluator: str | None = None
+    evaluations_topic: str = Topic.EVALUATIONS.value
+    groups_topic: str = Topic.GROUPS.value
+    outcome_sessions: int = DEFAULT_OUTCOME_SESSIONS
+    """The reverse join's bound on the sessions it holds."""
+
+
 class TrainerFeed(Iterator[Batch]):
     """Batches from `groups` (or `trajectories`) for an online trainer; see the module docstring.
 
-    ``token_budget`` bounds the tokens a batch lays out, padding included; a group that alone exceeds it
-    comes as a batch of its own (counted in ``stats.over_budget_batches``), never truncated. With
-    ``pack=True`` sequences are packed into rows of ``row_tokens`` (default: the budget). A partial batch is
-    yielded once no new group has come for ``linger_s``; iteration stops after ``idle_timeout_s`` without
-    any group (None: never, an online trainer waits). ``roles`` are the branch roles whose traces are
-    trained on (None: ``ROLLWIRE_FEED_ROLES``, else main and sub_agent). Staleness: ``max_staleness``,
-    ``stale``, ``stale_decay``, ``policy_version``; the trajectories topic: ``rewards``, ``reward_wait_s``,
-    ``evaluator``, ``evaluations_topic``, ``groups_topic``, ``outcome_sessions`` (the reverse join's bound).
+    Configured by four frozen objects: :class:`ReadConfig` (what to read, as which consumer group),
+    :class:`BatchConfig` (the token budget, padding or packing, tensors, waits), :class:`StalenessConfig`
+    and :class:`JoinConfig`. ``token_budget`` bounds the tokens a batch lays out, padding included; a group
+    that alone exceeds it comes as a batch of its own (counted in ``stats.over_budget_batches``), never
+    truncated. ``policy_version`` is the trainer's version (an int, a callable, or None), also settable
+    later as ``feed.policy_version``.
     """
 
-    def __init__(self, bootstrap: str | None = None, topic: str = Topic.GROUPS.value, *,
-                 group_id: str, token_budget: int, pack: bool = False, row_tokens: int | None = None,
-                 pad_token_id: int = 0, pad_to_multiple_of: int = 1, max_groups: int | None = None,
-                 tensors: Literal["torch", "numpy"] = "torch", device: Any = None,
-                 trajectories_topic: str = Topic.TRAJECTORIES.value, settings: KafkaSettings | None = None,
-                 from_beginning: bool = True, linger_s: float = 1.0, idle_timeout_s: float | None = None,
-                 join_lookback_s: float | None = 3600.0, join_timeout_s: float = 30.0,
-                 join_index_bytes: int = 2 * 1024 ** 3, max_poll_interval_s: float = 1800.0,
-                 dedupe_window: int = 100_000, skip_no_signal: bool = False,
-                 roles: Iterable[str] | None = None, max_staleness: int | None = None,
-                 stale: StaleAction = "drop", stale_decay: float = 0.5, policy_version: VersionSource = None,
-                 reads: Literal["groups", "trajectories"] | None = None, rewards: bool = True,
-                 reward_wait_s: float = 60.0, evaluator: str | None = None,
-                 evaluations_topic: str = Topic.EVALUATIONS.value, groups_topic: str = Topic.GROUPS.value,
-                 outcome_sessions: int = DEFAULT_OUTCOME_SESSIONS) -> None:
+    def __init__(self, read: ReadConfig, batching: BatchConfig, *, staleness: StalenessConfig | None = None,
+                 joins: JoinConfig | None = None, settings: KafkaSettings | None = None,
+                 policy_version: VersionSource = None) -> None:
+        staleness = staleness or StalenessConfig()
+        joins = joins or JoinConfig()
+        self.read, self.batching, self.joins = read, batching, joins
+        group_id, topic, bootstrap, roles, reads = read.group_id, read.topic, read.bootstrap, read.roles, read.reads
+        token_budget, row_tokens, tensors = batching.token_budget, batching.row_tokens, batching.tensors
+        reward_wait_s = joins.reward_wait_s
         if token_budget < 1:
             raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget}")
         if row_tokens is not None and row_tokens < 1:
@@ -261,7 +321,7 @@ class TrainerFeed(Iterator[Batch]):
         if not group_id:
             raise ValueError("group_id must name the trainer's consumer group (its committed position)")
         self.roles = parse_roles(roles) if roles is not None else feed_roles_from_env()
-        self.staleness = StalenessPolicy(max_staleness, stale, stale_decay)
+        self.staleness = StalenessPolicy(staleness.max_staleness, staleness.stale, staleness.stale_decay)
         self.policy_version = policy_version
         if settings is None:
             settings = KafkaSettings(kafka_bootstrap=bootstrap) if bootstrap else KafkaSettings()
@@ -274,37 +334,37 @@ class TrainerFeed(Iterator[Batch]):
             "trajectories" if self.topic == registry.name(Topic.TRAJECTORIES) else "groups")
         self.group_id = group_id
         self.token_budget = token_budget
-        self.pack = pack
+        self.pack = batching.pack
         self.row_tokens = row_tokens or token_budget
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.max_groups = max_groups
+        self.pad_token_id = batching.pad_token_id
+        self.pad_to_multiple_of = batching.pad_to_multiple_of
+        self.max_groups = batching.max_groups
         self.tensors = tensors
-        self.device = device
-        self.linger_s = linger_s
-        self.idle_timeout_s = idle_timeout_s
-        self.skip_no_signal = skip_no_signal
-        self.rewards = rewards
+        self.device = batching.device
+        self.linger_s = batching.linger_s
+        self.idle_timeout_s = batching.idle_timeout_s
+        self.skip_no_signal = batching.skip_no_signal
+        self.rewards = joins.rewards
         self.reward_wait_s = reward_wait_s
-        self.evaluator = evaluator
+        self.evaluator = joins.evaluator
         self.stats = FeedStats()
         self._source: Source
         if self.reads == "groups":
-            join = TrajectoryJoin(settings, self._resolve(registry, trajectories_topic), lookback_s=join_lookback_s,
-                                  timeout_s=join_timeout_s, index_bytes=join_index_bytes)
-            self._source = GroupSource(join, self.roles, self.stats, skip_no_signal=skip_no_signal)
+            join = TrajectoryJoin(settings, self._resolve(registry, joins.trajectories_topic),
+                                  lookback_s=joins.lookback_s, timeout_s=joins.timeout_s, index_bytes=joins.index_bytes)
+            self._source = GroupSource(join, self.roles, self.stats, skip_no_signal=batching.skip_no_signal)
         else:
-            outcomes = OutcomeJoin(settings, self._resolve(registry, evaluations_topic),
-                                   self._resolve(registry, groups_topic), lookback_s=join_lookback_s,
-                                   max_sessions=outcome_sessions) if rewards else None
+            outcomes = OutcomeJoin(settings, self._resolve(registry, joins.evaluations_topic),
+                                   self._resolve(registry, joins.groups_topic), lookback_s=joins.lookback_s,
+                                   max_sessions=joins.outcome_sessions) if joins.rewards else None
             self._source = TrajectorySource(outcomes, self.roles, self.stats, reward_wait_s=reward_wait_s,
-                                            evaluator=evaluator)
+                                            evaluator=joins.evaluator)
         self._buffer: list[Entry] = []
         self._cutting = _Cut()
         self._ledger: OffsetLedger[TopicPartition] = OffsetLedger()
         self._committed: dict[TopicPartition, int] = {}
         self._passed_over = False
-        self._dedupe_window = dedupe_window
+        self._dedupe_window = read.dedupe_window
         self._batch_number = 0
         self._acked_number = -1
         self._closed = False
@@ -316,7 +376,7 @@ class TrainerFeed(Iterator[Batch]):
         self._consumer: EventConsumer | None = None
         self._reading: asyncio.Task[Any] | None = None  # the batch being read, if any (see close)
         try:
-            self._call(self._start(from_beginning, max_poll_interval_s))
+            self._call(self._start(read.from_beginning, read.max_poll_interval_s))
         except BaseException:
             self.close()
             raise

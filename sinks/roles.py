@@ -8,7 +8,7 @@ leave out for its role is counted where each sink reports what it skipped.
 
 Settings, in the style of the Kafka settings (``ROLLWIRE_*``), as comma-separated roles:
 ``ROLLWIRE_SFT_ROLES`` (the SFT store, ``rollwire export-sft --roles``) and ``ROLLWIRE_FEED_ROLES`` (the
-trainer feed, ``TrainerFeed(roles=...)``), each ``main,sub_agent`` by default.
+trainer feed, ``ReadConfig(roles=...)`` of ``TrainerFeed``), each ``main,sub_agent`` by default.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import get_args
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.completions import BranchRole
@@ -47,8 +47,10 @@ class SinkRoleSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ROLLWIRE_", extra="ignore")
 
-    sft_roles: str = _text(DEFAULT_ROLES)
-    feed_roles: str = _text(DEFAULT_ROLES)
+    sft_roles: str = Field(default=_text(DEFAULT_ROLES), description=(
+        "Branch roles whose traces the SFT store writes as rows (main, sub_agent, side: titles, routers, memory)."))
+    feed_roles: str = Field(default=_text(DEFAULT_ROLES), description=(
+        "Branch roles whose traces the trainer feed yields."))
 
     @field_validator("sft_roles", "feed_roles")
     @classmethod

@@ -53,6 +53,8 @@ class FeedStats:
     dead_lettered: int = 0
     over_budget_batches: int = 0
     no_signal_groups_skipped: int = 0
+    insufficient_groups_skipped: int = 0  # under the groups worker's minimum share of usable samples
+    unknown_failures_skipped: int = 0  # trajectories whose failure could not be attributed
     stale_skipped: int = 0
     stale_downweighted: int = 0
     stale_skipped_by_lag: dict[int, int] = field(default_factory=dict)
@@ -127,6 +129,10 @@ class GroupSource:
     async def entry(self, partition: TopicPartition, offset: int, event: Event) -> Entry | None:
         assert isinstance(event, Group)  # the feed's consumer dead-letters anything else on the topic
         self.stats.groups += 1
+        if event.insufficient:
+            # Too few samples the policy can be judged on (after resubmissions): its baseline is noise.
+            self.stats.insufficient_groups_skipped += 1
+            return None
         if self.skip_no_signal and event.no_signal:
             self.stats.no_signal_groups_skipped += 1
             return None
@@ -196,6 +202,9 @@ class TrajectorySource:
         self.stats.trajectories += 1
         if event.failure is FailureKind.INFRASTRUCTURE:
             self.stats.infrastructure_failures_skipped += 1  # not the policy's doing: never trained on
+            return None
+        if event.failure is FailureKind.UNKNOWN:
+            self.stats.unknown_failures_skipped += 1  # nobody knows whose: never trained on as the policy's
             return None
         trajectory = IndexedTrajectory.of(event)
         now = time.monotonic()

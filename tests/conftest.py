@@ -13,13 +13,18 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from deploy import stack
+from deploy.engine.server import EngineConfig, VllmServer
 from deploy.kafka import KafkaConfig
 from schemas.transport.admin import broker_answers, delete_topics, ensure_topics
 from schemas.transport.settings import KafkaSettings
+
+# Helpers moved out of test modules keep pytest's assertion messages (it rewrites only tests and conftests).
+pytest.register_assert_rewrite("tests.processors.worker_process", "tests.producers.gateway_nodes")
 
 
 def _free_port() -> int:
@@ -76,6 +81,46 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         if part.stop is not None:
             part.stop()
+
+
+@dataclass(frozen=True)
+class PoolEngine:
+    """One engine of the ``vllm_engines`` pool: its URL, and its server when this run started it (a test
+    that kills and restarts an engine needs that; a reused engine has none)."""
+
+    url: str
+    server: VllmServer | None = None
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[PoolEngine]]:
+    """Two real vLLM CPU servers over the tiny model, each with its own home, started side by side once
+    per run by the routine behind ``rollwire up --engines 2`` (deploy.stack.engines).
+
+    ``ROLLWIRE_TEST_ENGINE_URLS`` (comma-separated, ``URL`` or ``NAME=URL``) reuses servers that are
+    already up, when each of them answers.
+    """
+    configured = stack.parse_engine_entries(os.environ.get("ROLLWIRE_TEST_ENGINE_URLS", ""),
+                                            source="ROLLWIRE_TEST_ENGINE_URLS")
+    if len(configured) >= 2 and all(stack.answers(f"{e.url}/v1/models", timeout_s=5) for e in configured):
+        yield [PoolEngine(entry.url) for entry in configured]
+        return
+    base = EngineConfig.from_env()
+    config = EngineConfig(cache_dir=base.cache_dir, home=tmp_path_factory.mktemp("engines") / "engine",
+                          port=stack.free_port_run(2), max_model_len=32768)
+    configs = stack.engine_configs(2, config)
+    parts = stack.engines(None, configs, timeout_s=1800)
+    try:
+        yield [PoolEngine(part.address, VllmServer(config)) for part, config in zip(parts, configs, strict=True)]
+    finally:
+        for engine_config in configs:  # also an engine a test restarted, which no part's stop knows of
+            VllmServer(engine_config).stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_urls(vllm_engines: list[PoolEngine]) -> list[str]:
+    """The URLs of the ``vllm_engines`` pool."""
+    return [engine.url for engine in vllm_engines]
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,11 @@ from schemas.completions import (
     ToolDefinition,
     Usage,
 )
+from schemas.call_claims import CallClaim
 from schemas.dead_letter import DeadLetter
 from schemas.envelope import Event
 from schemas.evaluations import Evaluation
-from schemas.policy import PolicyRange, WeightsUpdated
+from schemas.policy import PolicyRange, ProxyAlive, ProxyDrain, TierGate, WeightsUpdated
 from schemas.groups import Group, GroupSample
 from schemas.sessions import (
     FailureKind,
@@ -90,6 +91,8 @@ def every_event() -> list[Event]:
         Completion(session_id="sess-1", sequence=1, api="anthropic.messages", status="error",
                    error={"kind": "engine_timeout", "message": "engine took longer than 60 s", "http_status": 504},
                    request=NormalizedRequest(messages=[ChatMessage(role="user", content="hi")])),
+        CallClaim(session_id="sess-1", proxy="proxy-a", incarnation="9f2c4e1ab3d07765", request_digest="ab" * 32,
+                  retry_count=1),
         Evaluation(session_id="sess-1", task_id="task-1", evaluator="pytest", reward=1.0, passed=True,
                    details={"passed": 12, "failed": 0}),
         Trajectory(session_id="sess-1", task_id="task-1", builder="prefix_merging", traces=[trace],
@@ -102,7 +105,13 @@ def every_event() -> list[Event]:
                         failure=FailureKind.INFRASTRUCTURE, in_baseline=False),
         ], baseline_mean=0.5, baseline_std=0.5, policy_versions=PolicyRange(oldest=2, newest=3)),
         WeightsUpdated(served_model="tiny-qwen3", version="3", previous_version="2", weights_path="/ckpt/3",
-                       paused_ms=412.5, load_ms=300.0, held_calls=2, drained_calls=1),
+                       paused_ms=412.5, load_ms=300.0, held_calls=2, drained_calls=1, update_id="u-3",
+                       coordinator="proxy-a", proxies=[
+                           ProxyDrain(instance="proxy-a", drained_calls=1, held_calls=2),
+                           ProxyDrain(instance="proxy-b", status="absent", error="not heard from for 16.0 s")]),
+        TierGate(served_model="tiny-qwen3", update_id="u-3", coordinator="proxy-a", instance="proxy-b",
+                 phase="drained", drain=ProxyDrain(instance="proxy-b", drained_calls=3)),
+        ProxyAlive(served_model="tiny-qwen3", instance="proxy-b", timeout_s=15.0),
         DeadLetter(source_topic="rollwire.completions", partition=0, offset=7, original_key="c2Vzcy0x",
                    error_type="invalid_json", reason="not JSON", payload="e30=", payload_bytes=2),
     ]

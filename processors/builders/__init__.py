@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 from processors.builders import per_request, prefix_merging
 from processors.builders.common import Builder, SessionFacts
+from processors.errors import UnknownBuilder
 from schemas.completions import Completion
 from schemas.tasks import BuilderName
 from schemas.trajectories import Trajectory
@@ -21,10 +22,6 @@ BUILDERS: Mapping[str, Builder] = MappingProxyType({
     per_request.NAME: per_request.build,
     prefix_merging.NAME: prefix_merging.build,
 })
-
-
-class UnknownBuilder(KeyError):
-    """No builder is registered under that name."""
 
 
 def get_builder(name: BuilderName | str) -> Builder:

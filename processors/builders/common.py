@@ -27,6 +27,7 @@ from datetime import datetime
 import numpy as np
 
 from processors.builders.continuations import count_prompt_builds, count_traces, cut_turns, settle_roles, trace_role
+from processors.errors import UnresolvedPromptDelta
 from schemas.arrays import Logprobs, LossMask, TokenIds
 from schemas.completions import Completion
 from schemas.envelope import utcnow
@@ -51,10 +52,6 @@ class SessionFacts:
 
 
 Builder = Callable[[Iterable[Completion], SessionFacts], Trajectory]
-
-
-class UnresolvedPromptDelta(ValueError):
-    """A builder was given a completion whose prompt is a delta: resolve the session's prompts first."""
 
 
 @dataclass(slots=True, eq=False)

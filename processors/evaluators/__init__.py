@@ -7,6 +7,8 @@ Adding an evaluator: subclass :class:`~processors.evaluators.base.Evaluator` and
 from __future__ import annotations
 
 from processors.evaluators.base import Evaluator, EvaluatorConfigError, EvaluatorError
+from processors.evaluators.harbor import HarborEvaluator
+from processors.evaluators.judge import JudgeEvaluator
 from processors.evaluators.session_completed import SessionCompleted
 from processors.evaluators.swebench import SwebenchEvaluator
 from processors.evaluators.tests_evaluator import TestsEvaluator
@@ -15,7 +17,10 @@ EVALUATORS: dict[str, type[Evaluator]] = {
     SessionCompleted.name: SessionCompleted,
     TestsEvaluator.name: TestsEvaluator,
     SwebenchEvaluator.name: SwebenchEvaluator,
+    HarborEvaluator.name: HarborEvaluator,
+    JudgeEvaluator.name: JudgeEvaluator,
 }
+JudgeEvaluator.registry = EVALUATORS  # the outcomes a judge may compose with
 
 
 class UnknownEvaluator(EvaluatorError):

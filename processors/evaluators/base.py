@@ -14,13 +14,14 @@ import abc
 import uuid
 from typing import Any, ClassVar
 
+from processors.errors import ProcessorError
 from schemas.evaluations import Evaluation
 from schemas.sessions import SessionEnded, SessionSpec
 
 _EVALUATION_NAMESPACE = uuid.UUID("5b0a64e4-7f0c-4c7e-9c53-2f7f4e1c9a10")
 
 
-class EvaluatorError(Exception):
+class EvaluatorError(ProcessorError):
     """Base class for evaluator failures."""
 
 

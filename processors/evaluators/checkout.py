@@ -16,10 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from processors.errors import ProcessorError
+
 OUTPUT_TAIL_CHARS = 4000
 
 
-class PatchDoesNotApply(Exception):
+class PatchDoesNotApply(ProcessorError):
     """``git apply`` refused the patch; the message is git's reason."""
 
 

@@ -33,14 +33,13 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from processors.evaluators.base import Evaluator, EvaluatorConfigError
-from producers.runtimes.base import CommandResult, Runtime, RuntimeHandle, RuntimeInitError
+from processors.evaluators.base import EvaluatorConfigError
+from processors.evaluators.containers import OUTPUT_TAIL_CHARS, ContainerEvaluator, output_tail
+from producers.runtimes.base import RuntimeHandle, RuntimeInitError
 from schemas.evaluations import Evaluation
 from schemas.sessions import SessionEnded, SessionSpec
 from schemas.swebench import TESTBED, parse_test_ids
@@ -49,7 +48,6 @@ from schemas.tasks import RuntimeSpec
 DEFAULT_TIMEOUT_S = 900.0
 DEFAULT_INIT_TIMEOUT_S = 300.0
 PATCH_TIMEOUT_S = 120.0
-OUTPUT_TAIL_CHARS = 4000
 PATCH_FUZZ = 3
 PASSING = frozenset({"passed", "xfail"})
 STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
@@ -160,29 +158,12 @@ def outcomes_for(test_ids: Sequence[str], summary: Sequence[tuple[str, str]]) ->
     return outcomes
 
 
-def _tail(result: CommandResult) -> str:
-    return (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
 
-
-class SwebenchEvaluator(Evaluator):
+class SwebenchEvaluator(ContainerEvaluator):
     """Resolved or not, SWE-bench's way, in a fresh container of the task image."""
 
     name = "swebench"
     version = "1"
-
-    def __init__(self, settings: dict[str, Any] | None = None, *, runtime: Runtime | None = None,
-                 scratch: Path | None = None) -> None:
-        super().__init__(settings)
-        self.scratch = scratch or Path(tempfile.gettempdir()) / "rollwire-evaluations"
-        self._runtime = runtime
-
-    def runtime(self) -> Runtime:
-        """The docker runtime the grading containers come from (made on first use)."""
-        if self._runtime is None:
-            from producers.runtimes.docker import DockerRuntime
-
-            self._runtime = DockerRuntime(self.scratch, mount_harness_cache=False)
-        return self._runtime
 
     def runtime_spec(self, plan: GradingPlan) -> RuntimeSpec:
         """The grading container: the image's own repository at the base commit, no network."""
@@ -258,13 +239,13 @@ class SwebenchEvaluator(Evaluator):
         said: dict[str, str] = {}
         git = await handle.run(["git", "apply", "--verbose", "--whitespace=nowarn", path], env={},
                                timeout_s=PATCH_TIMEOUT_S)
-        said["git apply"] = _tail(git)
+        said["git apply"] = output_tail(git)
         if git.exit_code == 0:
             return "git apply", said
         fuzzy = await handle.run(["patch", "--batch", f"--fuzz={PATCH_FUZZ}", "-p1", "--no-backup-if-mismatch",
                                   "-i", path], env={}, timeout_s=PATCH_TIMEOUT_S)
         tool = f"patch --fuzz={PATCH_FUZZ}"
-        said[tool] = _tail(fuzzy)
+        said[tool] = output_tail(fuzzy)
         return (tool if fuzzy.exit_code == 0 else None), said
 
     async def _apply_test_patch(self, handle: RuntimeHandle, diff: str, path: str) -> str | None:
@@ -275,10 +256,10 @@ class SwebenchEvaluator(Evaluator):
                      'git checkout -q HEAD -- "$p"; else rm -f -- "$p"; fi; done')
             result = await handle.run(["sh", "-c", reset, "sh", *paths], env={}, timeout_s=PATCH_TIMEOUT_S)
             if result.exit_code != 0:
-                return f"resetting the test files failed: {_tail(result)}"
+                return f"resetting the test files failed: {output_tail(result)}"
         result = await handle.run(["git", "apply", "--verbose", "--whitespace=nowarn", path], env={},
                                   timeout_s=PATCH_TIMEOUT_S)
-        return None if result.exit_code == 0 else _tail(result) or f"git apply exited {result.exit_code}"
+        return None if result.exit_code == 0 else output_tail(result) or f"git apply exited {result.exit_code}"
 
     async def _test_output(self, handle: RuntimeHandle, log: str) -> str:
         """The summary lines of the test log, then its tail after a marker (the whole log may be large)."""

@@ -5,13 +5,20 @@ Every sample is put in one of three classes first (:func:`classify`):
 - ``scored``: the session completed and the task's evaluator gave it a reward. Only these enter the
   baseline (the group's mean and std) and get a non-zero advantage.
 - ``failed``: the policy's failure: the session ended with status error, timeout or cancelled (and was
-  not the infrastructure's fault), or its evaluation itself errored or gave no reward. Kept out of the
-  baseline, advantage 0: it is in the batch (its tokens are real) but pushes the policy nowhere.
+  not the infrastructure's fault), or its evaluation gave no reward. Kept out of the baseline, advantage
+  0: it is in the batch (its tokens are real) but pushes the policy nowhere.
 - ``infrastructure``: the session failed for a reason that is not the policy's (failure kind
-  ``infrastructure``), its trajectory is partial (the session never reported its end) or it never arrived
-  at all. Advantage ``None``: a trainer should resubmit it, not learn from it.
+  ``infrastructure``, by the rule in schemas/attribution.py), its evaluator crashed (evaluation status
+  ``error``), its trajectory is partial (the session never reported its end) or it never arrived at all.
+  Advantage ``None``: not learnt from (the rollout server resubmits session failures of this kind).
+- ``unknown``: the session's failure could not be attributed (failure kind ``unknown``). Advantage
+  ``None`` and out of the baseline, like infrastructure: never counted as the policy's failure.
 
-Estimators (issue 7):
+A group's *usable* samples are the scored and the failed ones: those the policy can be judged on. The
+worker marks a group whose usable share is under its minimum ``insufficient`` (:func:`usable_count`),
+and the trainer feed leaves it out.
+
+Estimators:
 
 - ``grpo``: ``(r - mean) / (std + eps)`` over the baseline, with the sample standard deviation
   (``ddof=1``, as TRL's and verl's GRPO compute it with ``torch.std``).
@@ -43,6 +50,7 @@ class SampleClass(str, enum.Enum):
     SCORED = "scored"
     FAILED = "failed"
     INFRASTRUCTURE = "infrastructure"
+    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +68,8 @@ class SampleOutcome:
     """The trajectory was built before the session ended (it never reported its end)."""
     missing: bool = False
     """No trajectory arrived before the group was emitted."""
+    attempt: int = 0
+    """Which session of its sample this is (0: the task's own; n: the n-th resubmission)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +88,20 @@ def classify(outcome: SampleOutcome) -> SampleClass:
         return SampleClass.INFRASTRUCTURE
     if outcome.failure is FailureKind.INFRASTRUCTURE:
         return SampleClass.INFRASTRUCTURE
+    if outcome.failure is FailureKind.UNKNOWN:
+        return SampleClass.UNKNOWN
     if outcome.status is not SessionStatus.COMPLETED:
         return SampleClass.FAILED
-    if outcome.evaluation_error or outcome.reward is None or not math.isfinite(outcome.reward):
+    if outcome.evaluation_error:
+        return SampleClass.INFRASTRUCTURE  # the evaluator crashed: nothing of the policy's is known
+    if outcome.reward is None or not math.isfinite(outcome.reward):
         return SampleClass.FAILED
     return SampleClass.SCORED
+
+
+def usable_count(outcomes: Sequence[SampleOutcome]) -> int:
+    """How many samples the policy can be judged on (scored or failed by the policy)."""
+    return sum(classify(o) in (SampleClass.SCORED, SampleClass.FAILED) for o in outcomes)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -109,7 +128,7 @@ def compute_advantages(outcomes: Sequence[SampleOutcome], *, estimator: Estimato
     samples: list[GroupSample] = []
     for outcome, cls in zip(outcomes, classes):
         advantage: float | None
-        if cls is SampleClass.INFRASTRUCTURE:
+        if cls in (SampleClass.INFRASTRUCTURE, SampleClass.UNKNOWN):
             advantage = None
         elif cls is SampleClass.FAILED or no_signal:
             advantage = 0.0
@@ -123,9 +142,9 @@ def compute_advantages(outcomes: Sequence[SampleOutcome], *, estimator: Estimato
                 advantage = reward - (mean * n - reward) / (n - 1)
         failure = outcome.failure
         if cls is SampleClass.INFRASTRUCTURE and failure is None:
-            failure = FailureKind.INFRASTRUCTURE  # missing or partial: flagged for resubmission
+            failure = FailureKind.INFRASTRUCTURE  # missing, partial or not evaluated: not trained on
         samples.append(GroupSample(
             session_id=outcome.session_id, trajectory_id=outcome.trajectory_id,
             reward=outcome.reward, advantage=advantage, status=outcome.status, failure=failure,
-            in_baseline=cls is SampleClass.SCORED))
+            attempt=outcome.attempt, in_baseline=cls is SampleClass.SCORED))
     return GroupAdvantages(samples, mean, std, no_signal)

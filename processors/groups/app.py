@@ -42,11 +42,12 @@ from processors.groups.assembly import (
     evaluation_fact,
     trajectory_fact,
 )
-from processors.groups.cli import by_task_topic
 from processors.groups.settings import GroupSettings
-from processors.faust_worker import RAW, app_settings, on_partitions, send_event, tables_recovered, worker_app
-from processors.health import serve_health
-from processors.intake import dead_letter
+from processors.groups.topics import TABLES, by_task_topic
+from processors.worker.changelogs import changelog_configs
+from processors.worker.dead_letters import dead_letter
+from processors.worker.faust_worker import RAW, app_settings, on_partitions, send_event, tables_recovered, worker_app
+from processors.worker.health import serve_health
 from schemas.codec import EventDecodeError, check_envelope, decode_event
 from schemas.envelope import Event
 from schemas.tasks import TaskAccepted
@@ -77,11 +78,10 @@ by_task = app.topic(BY_TASK, partitions=kafka.task_partitions, internal=False, *
 groups = app.topic(registry.name(Topic.GROUPS), internal=False, **RAW)
 dead_letters = app.topic(registry.name(Topic.DEAD_LETTER), internal=False, **RAW)
 
-tasks_state = app.Table("tasks_state", partitions=kafka.task_partitions, key_type=bytes, value_type=bytes,
+(TASKS_STATE,) = TABLES  # its changelog is created before the worker starts (processors.groups.topics)
+tasks_state = app.Table(TASKS_STATE, partitions=kafka.task_partitions, key_type=bytes, value_type=bytes,
                         schema=faust.Schema(**RAW), help="task id -> TaskState (assembly.py)",
-                        extra_topic_configs={"max.message.bytes": str(kafka.fetch_bytes),
-                                             "min.insync.replicas": str(kafka.min_insync_replicas),
-                                             "unclean.leader.election.enable": "false"})
+                        extra_topic_configs=changelog_configs(kafka))
 
 counters: dict[str, int] = {"facts": 0, "no_task": 0, "late": 0, "emitted": 0, "incomplete": 0, "abandoned": 0,
                             "dead_lettered": 0}
@@ -144,12 +144,13 @@ async def _settle(task_id: str, state: TaskState) -> TaskState:
     verdict = decide(state, now=time.time(), default_evaluator=conf.evaluator, min_fraction=conf.min_fraction,
                      abandon_s=conf.abandon_s, not_before=NOT_BEFORE)
     if verdict is State.EMITTED:
-        group = build_group(state, default_evaluator=conf.evaluator, estimator=conf.estimator, eps=conf.eps)
+        group = build_group(state, default_evaluator=conf.evaluator, estimator=conf.estimator, eps=conf.eps,
+                            min_usable=conf.min_usable)
         await _send_event(groups, group)  # acknowledged by the broker before the state says so
         counters["emitted"] += 1
         counters["incomplete"] += not group.complete
-        logger.info("group of task %s: %d samples, complete=%s, no_signal=%s", task_id, len(group.samples),
-                    group.complete, group.no_signal)
+        logger.info("group of task %s: %d samples, complete=%s, no_signal=%s, usable=%s, insufficient=%s",
+                    task_id, len(group.samples), group.complete, group.no_signal, group.usable, group.insufficient)
         state.state, state.group_event_id = State.EMITTED, group.event_id
         return state.closed()
     if verdict is State.ABANDONED:

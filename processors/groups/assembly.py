@@ -13,6 +13,13 @@ The group's ``policy_versions`` is the range of engine weight versions over its 
 trajectory fact carries its trajectory's range; failed samples' trajectories count too, they are part of
 the group), None when no trajectory has one. ``policy_version`` stays the task's claim string.
 
+A sample whose session failed for the infrastructure is resubmitted by the rollout server as a new
+session (``schemas.sessions.retry_session_id``: its id names the first session and the attempt), up to the
+task's ``max_retries``; its facts arrive under the task like the first session's. A sample stands for its
+latest session that has a trajectory, and is not in while that session failed for the infrastructure with
+resubmissions left (its next session is coming). The deadline leaves room for them: acceptance time plus
+``timeout_s`` for each possible session, plus the grace.
+
 The group's event id depends only on the task id: whatever replays, restarts or deadline races make the
 worker emit a task's group twice, readers see one event id and keep one group.
 """
@@ -28,10 +35,11 @@ import orjson
 
 from pydantic import ValidationError
 
-from processors.groups.advantages import Estimator, SampleOutcome, compute_advantages
+from processors.errors import FactError
+from processors.groups.advantages import Estimator, SampleOutcome, compute_advantages, usable_count
 from schemas.groups import Group
 from schemas.policy import PolicyRange
-from schemas.sessions import FailureKind, SessionStatus
+from schemas.sessions import FailureKind, SessionStatus, retry_session_id
 from schemas.tasks import TaskAccepted
 
 _GROUP_NAMESPACE = uuid.UUID("0f5c3e0a-57a4-4d0e-8a8e-6c1b7f6d2e11")
@@ -40,10 +48,6 @@ _GROUP_NAMESPACE = uuid.UUID("0f5c3e0a-57a4-4d0e-8a8e-6c1b7f6d2e11")
 def group_event_id(task_id: str) -> str:
     """The one event id a task's group ever has."""
     return uuid.uuid5(_GROUP_NAMESPACE, f"group\x00{task_id}").hex
-
-
-class FactError(ValueError):
-    """A record's document lacks what a fact needs (the record is dead-lettered)."""
 
 
 def _text(document: dict[str, Any], name: str, *, required: bool = True) -> str | None:
@@ -107,13 +111,16 @@ class TaskFacts:
     evaluator: str | None
     group_id: str | None
     policy_version: str | None
+    max_retries: int = 0
 
     @classmethod
     def of(cls, accepted: TaskAccepted, grace_s: float) -> TaskFacts:
         request = accepted.request
+        retries = request.max_retries or 0
         return cls(accepted.task_id, list(accepted.session_ids), request.num_samples,
-                   accepted.occurred_at.timestamp() + request.timeout_s + grace_s,
-                   request.evaluator.name if request.evaluator else None, request.group_id, request.policy_version)
+                   accepted.occurred_at.timestamp() + request.timeout_s * (1 + retries) + grace_s,
+                   request.evaluator.name if request.evaluator else None, request.group_id, request.policy_version,
+                   retries)
 
 
 class State(str, enum.Enum):
@@ -163,21 +170,37 @@ class TaskState:
         """Whose rewards count: the task's evaluator, else the worker's default."""
         return (self.task.evaluator if self.task else None) or default
 
-    def outcome(self, session_id: str, evaluator: str) -> SampleOutcome:
-        """The sample as it stands (missing parts marked missing)."""
+    def latest_attempt(self, session_id: str) -> tuple[str, int]:
+        """The sample's latest session that has a trajectory (its first session when none has):
+        ``(session id, attempt)``."""
+        retries = self.task.max_retries if self.task is not None else 0
+        for attempt in range(retries, 0, -1):
+            retry = retry_session_id(session_id, attempt)
+            if retry in self.trajectories:
+                return retry, attempt
+        return session_id, 0
+
+    def outcome(self, first_session_id: str, evaluator: str) -> SampleOutcome:
+        """The sample as it stands (missing parts marked missing), by its latest session."""
+        session_id, attempt = self.latest_attempt(first_session_id)
         trajectory = self.trajectories.get(session_id)
         evaluation = self.evaluations.get(session_id, {}).get(evaluator)
         if trajectory is None:
-            return SampleOutcome(session_id, reward=evaluation["reward"] if evaluation else None, missing=True)
+            return SampleOutcome(session_id, reward=evaluation["reward"] if evaluation else None, missing=True,
+                                 attempt=attempt)
         status = SessionStatus(trajectory["status"]) if trajectory["status"] else None
         failure = FailureKind(trajectory["failure"]) if trajectory["failure"] else None
+        retries = self.task.max_retries if self.task is not None else 0
+        resubmitted = failure is FailureKind.INFRASTRUCTURE and not trajectory["partial"] and attempt < retries
         return SampleOutcome(
             session_id, reward=evaluation["reward"] if evaluation else None, status=status, failure=failure,
             trajectory_id=trajectory["event_id"], partial=trajectory["partial"],
             evaluation_error=evaluation is not None and evaluation["status"] == "error",
-            # A scoreable session the evaluator has not answered for: not in (yet).
-            missing=evaluation is None and status is SessionStatus.COMPLETED and failure is None
-            and not trajectory["partial"])
+            # A scoreable session the evaluator has not answered for, or one whose next session is coming:
+            # not in (yet).
+            missing=resubmitted or (evaluation is None and status is SessionStatus.COMPLETED and failure is None
+                                    and not trajectory["partial"]),
+            attempt=attempt)
 
     def is_in(self, session_id: str, evaluator: str) -> bool:
         """Whether the sample's facts are complete (see the module docstring)."""
@@ -224,20 +247,24 @@ def samples_policy_range(state: TaskState, session_ids: list[str]) -> PolicyRang
     return merged
 
 
-def build_group(state: TaskState, *, default_evaluator: str, estimator: Estimator, eps: float) -> Group:
-    """The task's Group event from its state (every session of the task, in the task's order)."""
+def build_group(state: TaskState, *, default_evaluator: str, estimator: Estimator, eps: float,
+                min_usable: float = 0.0) -> Group:
+    """The task's Group event from its state (every sample of the task, in the task's order, each by its
+    latest session); ``insufficient`` when fewer than ``min_usable`` of the samples are usable."""
     task = state.task
     assert task is not None, "a group needs its task"
     evaluator = state.evaluator(default_evaluator)
     outcomes = [state.outcome(session_id, evaluator) for session_id in task.session_ids]
     result = compute_advantages(outcomes, estimator=estimator, eps=eps)
+    usable = usable_count(outcomes)
     policy = task.policy_version or next(
         (t["policy_version"] for t in state.trajectories.values() if t.get("policy_version")), None)
     return Group(event_id=group_event_id(task.task_id), task_id=task.task_id, group_id=task.group_id,
-                 policy_version=policy, policy_versions=samples_policy_range(state, task.session_ids),
+                 policy_version=policy, policy_versions=samples_policy_range(state, [o.session_id for o in outcomes]),
                  samples=result.samples, baseline_mean=result.baseline_mean,
                  baseline_std=result.baseline_std, complete=not any(o.missing for o in outcomes),
-                 no_signal=result.no_signal, evaluator=evaluator, estimator=estimator)
+                 no_signal=result.no_signal, evaluator=evaluator, estimator=estimator, usable=usable,
+                 insufficient=usable < min_usable * len(outcomes))
 
 
 __all__ = ["FactError", "State", "TaskFacts", "TaskState", "build_group", "decide", "evaluation_fact",

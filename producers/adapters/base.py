@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from producers.errors import AdapterError as AdapterError
+
 
 @dataclass(frozen=True, slots=True)
 class HarnessContext:
@@ -43,11 +45,6 @@ class HarnessInvocation:
     stdin: str | None = None
     """Text for the harness's standard input (None: none; a CLI that reads its input when stdin is not a
     terminal gets an empty one)."""
-
-
-class AdapterError(ValueError):
-    """The agent spec cannot be run by this adapter (bad settings, bad template): the policy's fault is
-    not involved; the session is refused before it starts."""
 
 
 class HarnessAdapter(abc.ABC):

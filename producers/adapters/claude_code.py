@@ -5,7 +5,7 @@ every model slot (main, haiku/sonnet/opus defaults, subagents) is pinned to the 
 call asks for another; non-essential traffic, telemetry and the auto-updater are off; the per-request
 attribution line is dropped from the system prompt (it varies and would break prefix merging).
 Headless: ``claude -p … --output-format json --dangerously-skip-permissions`` (``IS_SANDBOX=1`` allows
-that as root). See ../shared/HARNESSES.md.
+that as root). See docs/harnesses.md.
 """
 
 from __future__ import annotations

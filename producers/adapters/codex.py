@@ -3,7 +3,7 @@
 Codex ignores ``OPENAI_BASE_URL``; ``$CODEX_HOME/config.toml`` (here ``$HOME/.codex``) names a provider
 whose ``base_url`` is the session's OpenAI URL and whose key comes from ``ROLLWIRE_CODEX_KEY``, with
 retries off, approvals off (``never`` + full access: the runtime is the sandbox), analytics and plugins
-off (they phone home). Headless: ``codex exec --skip-git-repo-check``. See ../shared/HARNESSES.md.
+off (they phone home). Headless: ``codex exec --skip-git-repo-check``. See docs/harnesses.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ settings.json chooses API-key auth (no interactive auth dialog) and turns off au
 statistics, telemetry, the folder-trust prompt and loop detection. ``GOOGLE_GEMINI_BASE_URL`` is the session's root (the
 Google SDK appends ``/v1beta/models/{model}:streamGenerateContent``) and ``GEMINI_API_KEY`` its key, sent
 as ``x-goog-api-key``. The model is pinned with ``-m``, so the CLI makes no router call of its own.
-Headless: ``gemini --yolo -o json --prompt=…``. See ../shared/HARNESSES.md and tests/harnesses/test_gemini_cli.py
+Headless: ``gemini --yolo -o json --prompt=…``. See docs/harnesses.md and tests/harnesses/test_gemini_cli.py
 (what 0.61.0 sends).
 """
 

@@ -7,7 +7,7 @@
 with ``--provider rollwire``); offline mode, version check and telemetry are off. Headless:
 ``pi -p --no-session``. Settings: ``api`` (``openai`` | ``gemini``), ``reasoning`` (bool: the model is a
 reasoning model, so Pi sends a ``developer`` system message and ``reasoning_effort``), ``context_window``
-and ``max_tokens`` (ints, Pi's model limits). See ../shared/HARNESSES.md.
+and ``max_tokens`` (ints, Pi's model limits). See docs/harnesses.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 settings.json selects OpenAI auth and the session's model, and turns off usage statistics (an Aliyun
 host), telemetry, auto-update and the managed auto-memory (a background request after every turn).
 ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` point it at the session. Headless: ``qwen --yolo -o json --prompt=…``.
-See ../shared/HARNESSES.md.
+See docs/harnesses.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ twice to completion, so:
 - before a session runs, the node reads ``session-events`` up to its end and applies
   :func:`producers.gateway.ledger.decide`: an ended session is skipped; one another live node claimed is
   waited on; one a dead node claimed is run again if its harness had not started, and otherwise ended
-  here as an infrastructure failure (``status=error, failure=infrastructure``, the reason names the node);
+  here as an infrastructure failure (``status=error, cause=node_lost``, the reason names the node);
 - a node claims a session by sending its ``init`` event (acknowledged) while it still owns the partition;
   on revocation it lets its unclaimed sessions go and keeps running the claimed ones to their end.
 
@@ -43,7 +43,8 @@ from producers.gateway.pipeline import AdapterFor, Pipeline, RuntimeFor, Session
 from producers.gateway.settings import GatewaySettings
 from producers.runtimes.base import Runtime
 from producers.runtimes.reaper import reap_if_docker
-from schemas.sessions import FailureKind, SessionEnded, SessionSpec, SessionStage, SessionStageChanged, SessionStatus
+from schemas.attribution import Cause, Evidence, kind_of
+from schemas.sessions import SessionEnded, SessionSpec, SessionStage, SessionStageChanged, SessionStatus
 from schemas.topics import Topic
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings
 from schemas.transport.consumer import Received
@@ -273,10 +274,10 @@ class GatewayNode:
         elif decision is Decision.END_ORPHANED:
             assert record is not None and record.stage is not None
             stage = record.stage.value
+            reason = f"gateway node {record.node} stopped while the session was in {stage}; ended by {self.name}"
             ended = SessionEnded(session_id=spec.session_id, task_id=spec.task_id, status=SessionStatus.ERROR,
-                                 failure=FailureKind.INFRASTRUCTURE,
-                                 reason=f"gateway node {record.node} stopped while the session was in {stage}; "
-                                        f"ended by {self.name}")
+                                 failure=kind_of(Cause.NODE_LOST), cause=Cause.NODE_LOST, reason=reason,
+                                 evidence=Evidence(stage=stage, detail=reason))
             logger.warning("session %s: %s", spec.session_id, ended.reason)
             await self._send_end(ended)
             self._finish_offsets(offsets)

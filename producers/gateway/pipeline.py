@@ -11,11 +11,12 @@ budget in its run is killed and still goes through post-run, so it ends with its
 trajectory worker builds a partial trajectory from the completions it made).
 
 Every stage change is a ``SessionStageChanged`` (with the seconds spent in the stage before, and the
-node); the end is one ``SessionEnded`` with status, whose failure it was, reason, exit code, patch and
-seconds per stage. Whose failure: the policy's when the harness exits non-zero, runs out of its budget,
-or leaves a patch that cannot be taken; the infrastructure's when the runtime cannot be prepared, the
-agent spec cannot be run, the proxy is unreachable or does not know the session, or Kafka refuses the
-``running`` event. A cancelled session has no failure kind.
+node); the end is one ``SessionEnded`` with status, cause, whose failure it was, reason, exit code,
+evidence, patch and seconds per stage. Whose failure is decided by the cause alone, by the table in
+schemas/attribution.py: each place below names the cause it saw (the harness install, the runtime's
+init, the run slot, Kafka, the proxy, the engine's health, the harness's exit judged with the model calls
+the proxy recorded for the session and the head of its stderr, the patch). A cancelled session has no
+failure kind.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from aiokafka import TopicPartition
 
 from producers.adapters.base import AdapterError, HarnessAdapter, HarnessContext, HarnessInvocation
 from producers.gateway.settings import GatewaySettings
+from producers.harness_install import HarnessInstallError
 from producers.runtimes.base import CommandResult, Runtime, RuntimeHandle, RuntimeInitError
+from schemas.attribution import Cause, Evidence, exit_signal, judge_exit, kind_of, stderr_head
 from schemas.sessions import (
     FailureKind,
     SessionEnded,
@@ -66,13 +69,22 @@ class Outcome:
 
     status: SessionStatus = SessionStatus.COMPLETED
     failure: FailureKind | None = None
+    cause: Cause | None = None
     reason: str | None = None
     exit_code: int | None = None
+    evidence: Evidence | None = None
     patch: str | None = None
     artifacts: dict[str, str] = field(default_factory=dict)
 
-    def fail(self, status: SessionStatus, failure: FailureKind | None, reason: str) -> None:
-        self.status, self.failure, self.reason = status, failure, reason
+    def fail(self, status: SessionStatus, cause: Cause | None, reason: str, *, stage: SessionStage | None = None,
+             evidence: Evidence | None = None) -> None:
+        """End with ``status``; ``cause`` (None for a cancel) decides whose failure it is."""
+        self.status, self.cause, self.reason = status, cause, reason
+        self.failure = kind_of(cause) if cause is not None else None
+        if evidence is not None:
+            self.evidence = evidence
+        elif cause is not None and self.evidence is None:
+            self.evidence = Evidence(stage=stage.value if stage is not None else None, detail=reason[:1000])
 
 
 @dataclass(eq=False)
@@ -196,8 +208,9 @@ class Pipeline:
         timings = dict(session.timings)
         timings["total"] = round(time.monotonic() - session.accepted_at, 6)
         return SessionEnded(session_id=session.session_id, task_id=session.spec.task_id, status=outcome.status,
-                            failure=outcome.failure, reason=outcome.reason, exit_code=outcome.exit_code,
-                            patch=outcome.patch, artifacts=outcome.artifacts, timings=timings)
+                            failure=outcome.failure, cause=outcome.cause, reason=outcome.reason,
+                            exit_code=outcome.exit_code, evidence=outcome.evidence, patch=outcome.patch,
+                            artifacts=outcome.artifacts, timings=timings)
 
     async def _through_run(self, session: SessionRun, outcome: Outcome) -> None:
         if session.cancel_reason is not None:  # cancelled before this task could be interrupted
@@ -216,8 +229,9 @@ class Pipeline:
                 async with asyncio.timeout(session.remaining_s()):
                     await self.pools.run.acquire()
             except TimeoutError:
-                outcome.fail(SessionStatus.TIMEOUT, FailureKind.INFRASTRUCTURE,
-                             f"no run slot free before the session's budget of {session.spec.timeout_s:g}s ran out")
+                outcome.fail(SessionStatus.TIMEOUT, Cause.NO_RUN_SLOT,
+                             f"no run slot free before the session's budget of {session.spec.timeout_s:g}s ran out",
+                             stage=SessionStage.READY)
                 return
             try:
                 await self._run(session, invocation, outcome)
@@ -248,18 +262,20 @@ class Pipeline:
                     await session.handle.write_home_files(invocation.home_files)
                 return invocation
         except TimeoutError:
-            outcome.fail(SessionStatus.TIMEOUT, FailureKind.INFRASTRUCTURE,
-                         f"runtime init ran past the session's budget of {spec.timeout_s:g}s")
+            outcome.fail(SessionStatus.TIMEOUT, Cause.RUNTIME_INIT,
+                         f"runtime init ran past the session's budget of {spec.timeout_s:g}s", stage=SessionStage.INIT)
         except RuntimeInitError as exc:
-            if session.remaining_s() <= 0:
-                outcome.fail(SessionStatus.TIMEOUT, FailureKind.INFRASTRUCTURE, f"runtime init: {exc}")
-            else:
-                outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"runtime init: {exc}")
+            status = SessionStatus.TIMEOUT if session.remaining_s() <= 0 else SessionStatus.ERROR
+            outcome.fail(status, Cause.RUNTIME_INIT, f"runtime init: {exc}", stage=SessionStage.INIT)
+        except HarnessInstallError as exc:
+            outcome.fail(SessionStatus.ERROR, Cause.HARNESS_INSTALL, f"harness install: {exc}",
+                         stage=SessionStage.INIT)
         except AdapterError as exc:
-            outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"agent spec refused: {exc}")
+            outcome.fail(SessionStatus.ERROR, Cause.AGENT_SPEC, f"agent spec refused: {exc}", stage=SessionStage.INIT)
         except Exception as exc:  # a runtime or adapter bug must still end the session
             logger.exception("session %s: init failed", session.session_id)
-            outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"runtime init failed: {exc!r}")
+            outcome.fail(SessionStatus.ERROR, Cause.RUNTIME_INIT, f"runtime init failed: {exc!r}",
+                         stage=SessionStage.INIT)
         return None
 
     async def _run(self, session: SessionRun, invocation: HarnessInvocation, outcome: Outcome) -> None:
@@ -268,39 +284,75 @@ class Pipeline:
         try:
             await self._enter(session, SessionStage.RUNNING, required=True)
         except TransportError as exc:
-            outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"Kafka: {exc}")
+            outcome.fail(SessionStatus.ERROR, Cause.KAFKA, f"Kafka: {exc}", stage=SessionStage.RUNNING)
             return
-        problem = await self._proxy_problem(session.spec, wait_s=min(PROXY_WAIT_S, session.remaining_s()))
+        problem, _ = await self._proxy_state(session.spec, wait_s=min(PROXY_WAIT_S, session.remaining_s()))
         if problem is not None:
-            outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, problem)
+            outcome.fail(SessionStatus.ERROR, Cause.PROXY_UNREACHABLE, problem, stage=SessionStage.RUNNING)
+            return
+        engine = await self._engine_problem()
+        if engine is not None:
+            outcome.fail(SessionStatus.ERROR, Cause.ENGINE_UNAVAILABLE, f"before the harness started: {engine}",
+                         stage=SessionStage.RUNNING)
             return
         session.harness_started = True
         try:
             result = await session.handle.run(invocation.argv, env=invocation.env, stdin=invocation.stdin,
                                               timeout_s=max(session.remaining_s(), 0.001))
         except (OSError, ValueError) as exc:
-            outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"harness could not start: {exc}")
+            outcome.fail(SessionStatus.ERROR, Cause.HARNESS_MISSING, f"harness could not start: {exc}",
+                         stage=SessionStage.RUNNING)
             return
-        self._judge(session, result, outcome)
-        if outcome.failure is FailureKind.POLICY and outcome.status is SessionStatus.ERROR:
-            problem = await self._proxy_problem(session.spec, wait_s=0)
-            if problem is not None:
-                outcome.fail(SessionStatus.ERROR, FailureKind.INFRASTRUCTURE, f"{problem} ({outcome.reason})")
+        await self._judge(session, result, outcome)
 
-    def _judge(self, session: SessionRun, result: CommandResult, outcome: Outcome) -> None:
+    async def _judge(self, session: SessionRun, result: CommandResult, outcome: Outcome) -> None:
+        """The harness's exit, with the evidence around it, as a cause (schemas.attribution.judge_exit);
+        an unreachable proxy or a down engine found after a failed run is the cause before the exit is."""
         outcome.exit_code = result.exit_code
         outcome.artifacts["harness_stdout_tail"] = result.stdout[-OUTPUT_TAIL:]
         outcome.artifacts["harness_stderr_tail"] = result.stderr[-OUTPUT_TAIL:]
+        problem, calls = await self._proxy_state(session.spec, wait_s=0)
+        evidence = Evidence(exit_code=result.exit_code, signal=exit_signal(result.exit_code),
+                            timed_out=result.timed_out, stderr_head=stderr_head(result.stderr),
+                            model_calls=calls, stage=SessionStage.RUNNING.value, oom_killed=result.oom_killed,
+                            pids_limit_hit=result.pids_limit_hit)
+        cause = judge_exit(result.exit_code, result.stderr, calls, timed_out=result.timed_out,
+                           pids_limit_hit=bool(result.pids_limit_hit))
+        if cause is None:
+            return
+        tail = (result.stderr or result.stdout)[-500:].strip()
         if result.timed_out:
-            outcome.fail(SessionStatus.TIMEOUT, FailureKind.POLICY,
-                         f"harness ran past the session's budget of {session.spec.timeout_s:g}s (from init)")
-        elif result.exit_code != 0:
-            tail = (result.stderr or result.stdout)[-500:].strip()
-            outcome.fail(SessionStatus.ERROR, FailureKind.POLICY, f"harness exited {result.exit_code}: {tail}")
+            why = f"harness ran past the session's budget of {session.spec.timeout_s:g}s (from init)"
+        else:
+            why = f"harness exited {result.exit_code}: {tail}"
+        if result.oom_killed:
+            why = f"the sandbox's memory limit killed a process (OOM); {why}"
+        elif result.pids_limit_hit:
+            why = f"a fork was refused at the sandbox's pids limit; {why}"
+        if problem is not None:
+            cause, why = Cause.PROXY_UNREACHABLE, f"{problem} ({why})"
+        elif not calls and (engine := await self._engine_problem()) is not None:
+            cause, why = Cause.ENGINE_UNAVAILABLE, f"{engine} ({why})"
+        evidence.detail = why[:1000]
+        status = SessionStatus.TIMEOUT if result.timed_out else SessionStatus.ERROR
+        outcome.fail(status, cause, why, evidence=evidence)
 
-    async def _proxy_problem(self, spec: SessionSpec, *, wait_s: float) -> str | None:
-        """None when the proxy answers and knows the session as live; else what is wrong. Asked with the
-        session's own key: the proxy tells a session's state to that session (or its operator) only."""
+    async def _engine_problem(self) -> str | None:
+        """None when no engine URL is configured or its ``/health`` answers 200; else what is wrong."""
+        if not self.settings.engine_url:
+            return None
+        try:
+            response = await self._http.get(f"{self.settings.engine_url}/health", timeout=5.0)
+        except httpx.HTTPError as exc:
+            return f"engine unreachable at {self.settings.engine_url}: {exc!r}"
+        if response.status_code != 200:
+            return f"engine at {self.settings.engine_url} answers /health with {response.status_code}"
+        return None
+
+    async def _proxy_state(self, spec: SessionSpec, *, wait_s: float) -> tuple[str | None, int | None]:
+        """(None, model calls recorded) when the proxy answers and knows the session as live; else (what is
+        wrong, None). Asked with the session's own key: the proxy tells a session's state to that session
+        (or its operator) only."""
         url = f"{self.settings.proxy_url}/v1/sessions/{spec.session_id}"
         headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         deadline = time.monotonic() + wait_s
@@ -311,10 +363,13 @@ class Pipeline:
                 problem = f"proxy unreachable at {self.settings.proxy_url}: {exc!r}"
             else:
                 if response.status_code == 200:
-                    return None if response.json().get("live", True) else "the proxy says the session has ended"
+                    body = response.json()
+                    calls = body.get("calls")
+                    calls = calls if isinstance(calls, int) else None
+                    return (None if body.get("live", True) else "the proxy says the session has ended"), calls
                 problem = f"the proxy does not know the session ({response.status_code})"
             if time.monotonic() >= deadline:
-                return problem
+                return problem, None
             await asyncio.sleep(0.2)
 
     async def _post_run(self, session: SessionRun, outcome: Outcome) -> None:
@@ -337,7 +392,7 @@ class Pipeline:
         except Exception as exc:
             why = f"bad patch: {exc!r}"
             if outcome.status is SessionStatus.COMPLETED:
-                outcome.fail(SessionStatus.ERROR, FailureKind.POLICY, why)
+                outcome.fail(SessionStatus.ERROR, Cause.BAD_PATCH, why, stage=SessionStage.POST_RUN)
             else:
                 outcome.reason = f"{outcome.reason}; {why}"
             return
@@ -345,7 +400,7 @@ class Pipeline:
         if size > self.settings.max_patch_bytes:
             why = f"bad patch: {size} bytes, over the limit of {self.settings.max_patch_bytes}"
             if outcome.status is SessionStatus.COMPLETED:
-                outcome.fail(SessionStatus.ERROR, FailureKind.POLICY, why)
+                outcome.fail(SessionStatus.ERROR, Cause.BAD_PATCH, why, stage=SessionStage.POST_RUN)
             else:
                 outcome.reason = f"{outcome.reason}; {why}"
             return

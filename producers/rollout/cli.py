@@ -1,4 +1,5 @@
-"""`rollwire rollout-server` (the rollout API) and `rollwire submit [--format swebench] FILE` (post a tasks file).
+"""`rollwire rollout-server` (the rollout API) and `rollwire submit [--format swebench|harbor] FILE` (post a tasks
+file, or a folder of Harbor tasks).
 
 The main job, `rollwire rollout tasks.jsonl`, brings up a whole stack: it lives in deploy/job.py."""
 
@@ -26,13 +27,16 @@ def rollout_server(host: str = typer.Option(None, help="Listen address (ROLLWIRE
                 access_log=False)
 
 
-def submit(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, help=(
+def submit(tasks_file: Path = typer.Argument(..., exists=True, help=(
                "JSON Lines, one TaskRequest a line; with --format swebench, SWE-bench instances (JSON array or "
-               "JSON Lines).")),
+               "JSON Lines); with --format harbor, a folder of Harbor task folders.")),
            server: str = typer.Option(None, help="Rollout server URL (default from ROLLWIRE_ROLLOUT_*)."),
            file_format: str = typer.Option("tasks", "--format", help=(
-               "'tasks' (TaskRequest JSON Lines) or 'swebench' (SWE-bench / SWE-Gym instances, each graded "
-               "by the swebench evaluator in a fresh container of its image).")),
+               "'tasks' (TaskRequest JSON Lines), 'swebench' (SWE-bench / SWE-Gym instances, each graded "
+               "by the swebench evaluator in a fresh container of its image) or 'harbor' (Harbor task folders, "
+               "each scored by its verifier in a fresh container of its environment image).")),
+           oracle: bool = typer.Option(False, "--oracle", help="harbor: run each task's solution/solve.sh "
+                                       "instead of a harness."),
            harness: str = typer.Option(None, help="Override every task's agent.harness (swebench: default "
                                        "qwen-code)."),
            samples: int = typer.Option(None, min=1, help="Override every task's num_samples (swebench: default "
@@ -49,11 +53,11 @@ def submit(tasks_file: Path = typer.Argument(..., exists=True, dir_okay=False, h
         typer.secho(f"error: --format must be one of {', '.join(TASK_FORMATS)}, not {file_format!r}",
                     fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2)
-    fmt: TaskFormat = "swebench" if file_format == "swebench" else "tasks"
+    fmt: TaskFormat = "swebench" if file_format == "swebench" else "harbor" if file_format == "harbor" else "tasks"
     url = server or RolloutServerSettings().url
     overrides = Overrides(harness=harness, samples=samples,
                           engine=EngineParams(max_tokens=max_tokens) if max_tokens else None,
-                          runtime={"network": network} if network else None)
+                          runtime={"network": network} if network else None, oracle=oracle)
     submitted, bad = submit_file(tasks_file, url, overrides, format=fmt)
     for line, answer in submitted:
         if as_json:

@@ -88,7 +88,8 @@ def summary_table(statuses: Sequence[TaskStatus]) -> Table:
     (where an evaluator ran) and mean seconds per stage."""
     table = Table(title="rollout summary", title_justify="left")
     table.add_column("task", no_wrap=True)
-    for name in ("sessions", "completed", "failed\npolicy", "failed\ninfra", "not\nended", "completions",
+    for name in ("sessions", "completed", "failed\npolicy", "failed\ninfra", "failed\nunknown", "retries",
+                 "not\nended", "completions",
                  "trajectories", "traces per\nsession", "reward\n(mean, n)", _verdict_name(statuses)):
         table.add_column(name, justify="right")
     for stage in TIMED_STAGES:
@@ -106,8 +107,10 @@ def summary_table(statuses: Sequence[TaskStatus]) -> Table:
             name, str(len(sessions)),
             str(sum(1 for s in sessions if s.status == SessionStatus.COMPLETED)),
             str(sum(1 for s in sessions if s.ended and s.status != SessionStatus.COMPLETED
-                    and s.failure != FailureKind.INFRASTRUCTURE)),
+                    and s.failure not in (FailureKind.INFRASTRUCTURE, FailureKind.UNKNOWN))),
             str(sum(1 for s in sessions if s.failure == FailureKind.INFRASTRUCTURE)),
+            str(sum(1 for s in sessions if s.failure == FailureKind.UNKNOWN)),
+            str(sum(len(s.retries) for s in sessions)),
             str(sum(1 for s in sessions if not s.ended)),
             str(sum(s.completions for s in sessions)),
             str(sum(1 for s in sessions if s.trajectory_id)),
@@ -120,17 +123,25 @@ def summary_table(statuses: Sequence[TaskStatus]) -> Table:
 
 
 def failures_table(statuses: Sequence[TaskStatus]) -> Table | None:
-    """Sessions that did not complete, with why; None when every session completed."""
-    failed = [s for s in _sessions(statuses) if s.status != SessionStatus.COMPLETED]
-    if not failed:
+    """Sessions that did not complete, with why (the ones a resubmission replaced too, marked
+    ``replaced by``); None when every session completed at its first attempt."""
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    for s in _sessions(statuses):
+        chain = [r.session_id for r in s.retries] + [s.session_id]
+        for earlier, replaced_by in zip(s.retries, chain[1:]):
+            rows.append((earlier.session_id, "error", "infrastructure", earlier.cause.value if earlier.cause else "-",
+                         f"replaced by {replaced_by}", (earlier.reason or "-")[:140]))
+        if s.status != SessionStatus.COMPLETED:
+            rows.append((s.session_id, s.status.value if s.status else f"not ended ({s.stage.value})",
+                         s.failure.value if s.failure else "-", s.cause.value if s.cause else "-",
+                         "-" if s.exit_code is None else f"exit {s.exit_code}", (s.reason or "-")[:140]))
+    if not rows:
         return None
     table = Table(title="sessions that did not complete", title_justify="left")
-    for name in ("session", "status", "failure", "exit", "reason"):
+    for name in ("session", "status", "failure", "cause", "exit / retry", "reason"):
         table.add_column(name)
-    for s in failed:
-        table.add_row(s.session_id, s.status.value if s.status else f"not ended ({s.stage.value})",
-                      s.failure.value if s.failure else "-", "-" if s.exit_code is None else str(s.exit_code),
-                      (s.reason or "-")[:160])
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -171,15 +182,18 @@ def sessions_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) 
     """One row per session: how it ended, its calls and trajectory, its reward, whether it passed (for the
     ``swebench`` evaluator: whether the instance is resolved) and its GRPO advantage."""
     table = Table(title="rewards per session", title_justify="left")
-    for name in ("session", "status", "completions", "trajectory", "reward", _verdict_name(statuses), "advantage"):
+    for name in ("session", "status", "retries", "completions", "trajectory", "reward", _verdict_name(statuses),
+                 "advantage"):
         table.add_column(name, justify="left" if name in ("session", "status", "trajectory") else "right",
                          no_wrap=name == "session")
     for status in statuses:
         for s in status.sessions:
             verdict = next((e for e in s.evaluations if e.evaluator == status.evaluator), None)
             trajectory = "-" if not s.trajectory_id else ("partial" if s.partial else _traces(s))
-            table.add_row(s.session_id, s.status.value if s.status else f"not ended ({s.stage.value})",
-                          str(s.completions), trajectory, _fmt(s.reward),
+            ended = s.status.value if s.status else f"not ended ({s.stage.value})"
+            if s.failure is not None:
+                ended += f" ({s.failure.value}{', ' + s.cause.value if s.cause else ''})"
+            table.add_row(s.session_id, ended, str(len(s.retries)), str(s.completions), trajectory, _fmt(s.reward),
                           "-" if verdict is None or verdict.passed is None else ("yes" if verdict.passed else "no"),
                           _advantage(groups, status.task_id, s.session_id))
     return table
@@ -201,9 +215,11 @@ def groups_table(statuses: Sequence[TaskStatus], groups: Mapping[str, Group]) ->
             continue
         rewards = " ".join(_fmt(x.reward) for x in group.samples)
         advantages = " ".join("-" if x.advantage is None else f"{x.advantage:+.2f}" for x in group.samples)
+        signal = "none (equal rewards)" if group.no_signal else "yes"
+        if group.insufficient:
+            signal = f"kept out: {group.usable} of {len(group.samples)} usable"
         table.add_row(group.task_id, str(len(group.samples)), rewards, _fmt(group.baseline_mean),
-                      _fmt(group.baseline_std), advantages, "yes" if group.complete else "no",
-                      "none (equal rewards)" if group.no_signal else "yes")
+                      _fmt(group.baseline_std), advantages, "yes" if group.complete else "no", signal)
     return table
 
 

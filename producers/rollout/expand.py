@@ -79,8 +79,12 @@ def new_api_key() -> str:
     return "rw-" + secrets.token_urlsafe(24)
 
 
-def expand(request: TaskRequest, source: str | None = None) -> tuple[TaskAccepted, list[SessionSpec]]:
-    """The task's accepted event and its sessions' specs, in sample order."""
+def expand(request: TaskRequest, source: str | None = None,
+           max_retries: int = 0) -> tuple[TaskAccepted, list[SessionSpec]]:
+    """The task's accepted event and its sessions' specs, in sample order; a request that names no
+    ``max_retries`` is accepted with ``max_retries`` (the server's default) written into it."""
+    if request.max_retries is None:
+        request = request.model_copy(update={"max_retries": max_retries})
     specs = [
         SessionSpec(
             session_id=session_id(request.task_id, index),

@@ -8,6 +8,10 @@ the task is done (202 with the status before). ``GET /v1/tasks``: one line per t
 200 once the server has read the log up to its end (503 before: until then it cannot tell a new task id
 from an old one, so POSTs are refused with 503 too).
 
+A session that failed for the infrastructure is resubmitted by this server (a new session of the same
+sample, linked to the one it replaces; producers.rollout.status says when), up to the task's
+``max_retries`` (``ROLLWIRE_ROLLOUT_MAX_RETRIES`` when the task names none).
+
 The server keeps no state of its own besides the record of delivered callbacks: a restarted server reads
 the topics from the beginning and rebuilds the same view. One server per deployment (two servers could
 both accept the same new task id in the instant before each reads the other's).
@@ -16,6 +20,7 @@ both accept the same new task id in the instant before each reads the other's).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,10 +42,13 @@ from producers.rollout.settings import RolloutServerSettings
 from producers.rollout.status import RolloutView, StatusFeed
 from producers.validation_errors import install_validation_handler
 from schemas.codec import unreadable_reason
+from schemas.sessions import SessionSpec
 from schemas.rollouts import CallbackState, TaskResult, TaskState, TaskStatus, TaskSubmitted, TaskSummary
 from schemas.tasks import TaskRequest
 from schemas.transport import EventProducer, KafkaSettings, TransportError
 from schemas.transport.producer import default_source
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,7 +75,7 @@ class RolloutService:
         self.producer = EventProducer(self.kafka, service="rollout-server")
         await self.producer.start()
         self.feed = StatusFeed(self.kafka, self.view, self._finished,
-                               count_completions=self.settings.count_completions)
+                               count_completions=self.settings.count_completions, on_retries=self._resubmit)
         self.feed.start()
 
     async def stop(self) -> None:
@@ -80,6 +88,20 @@ class RolloutService:
     @property
     def ready(self) -> bool:
         return self.feed is not None and self.feed.caught_up.is_set()
+
+    async def _resubmit(self, specs: list[SessionSpec]) -> None:
+        """Write the resubmissions the view asks for (producers.rollout.status); a refusal is tried again on
+        the feed's next turn (the view offers them until their specs are applied)."""
+        assert self.producer is not None
+        try:
+            async with self._lock:
+                await self.producer.send_many(list(specs))
+        except TransportError as exc:
+            logger.warning("resubmissions not written yet (%s); retrying", exc)
+            return
+        for spec in specs:
+            self.view.apply(spec)
+            logger.info("session %s resubmitted as %s (attempt %d)", spec.retry_of, spec.session_id, spec.attempt)
 
     def _finished(self, result: TaskResult) -> None:
         accepted = self.view.task(result.task_id)
@@ -96,7 +118,7 @@ class RolloutService:
                                "task_id (its sessions' ids derive from it)")
         self._reserved.add(request.task_id)
         try:
-            accepted, specs = expand(request, source=self.source)
+            accepted, specs = expand(request, source=self.source, max_retries=self.settings.max_retries)
             taken = [spec.session_id for spec in specs if self.view.session_in_use(spec.session_id)]
             if taken:
                 raise TaskConflict(f"session id {taken[0]!r} of task {request.task_id!r} is already in use (an "

@@ -10,6 +10,15 @@ that an evaluator is expected to score has an evaluation from the task's evaluat
 expected to score a cancelled session or one that failed for infrastructure reasons (there is nothing
 of the policy's to score). If evaluations are still missing ``evaluation_wait_s`` after the last
 session ended, the task is done anyway and its result says ``complete=False``.
+
+Resubmissions: a session that failed for the infrastructure (``schemas.attribution``: the rule of its
+cause says resubmit) while its task's ``max_retries`` allows another session is *pending*: the view
+offers a new spec for its sample (:meth:`RolloutView.take_retries`: same task, same sample index, a fresh
+API key, ``attempt`` + 1, ``retry_of`` the session it replaces, its id from
+``schemas.sessions.retry_session_id``), which the server writes; its task is not done before that session
+ends. In a task's status each sample shows its latest session, with the ones it replaced under
+``retries``. The new id is derived, so a restarted server that replays the log finds the spec written
+and writes nothing twice.
 """
 
 from __future__ import annotations
@@ -17,14 +26,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 
+from producers.rollout.expand import new_api_key
+from schemas.attribution import resubmitted
 from schemas.codec import HEADER_EVENT_TYPE
 from schemas.envelope import Event
 from schemas.evaluations import Evaluation
 from schemas.rollouts import (
     EvaluationView,
+    RetryView,
     SessionStatusView,
     TaskResult,
     TaskState,
@@ -38,6 +50,7 @@ from schemas.sessions import (
     SessionStage,
     SessionStageChanged,
     SessionStatus,
+    retry_session_id,
 )
 from schemas.tasks import TaskAccepted
 from schemas.topics import Topic
@@ -70,6 +83,8 @@ class RolloutView:
         self._registered: set[str] = set()
         # Every event id folded in: a reader that restarts from the beginning changes nothing twice.
         self._applied: set[str] = set()
+        # The rollout specs (what a resubmission copies), by session id.
+        self._specs: dict[str, SessionSpec] = {}
 
     # ---- applying events ----
 
@@ -83,6 +98,8 @@ class RolloutView:
                 self._apply_task(event)
             case SessionSpec():
                 self._registered.add(event.session_id)
+                if event.origin == "rollout" and event.task_id is not None:
+                    self._specs.setdefault(event.session_id, event)
             case SessionStageChanged():
                 self._apply_stage(event)
             case SessionEnded():
@@ -131,6 +148,7 @@ class RolloutView:
         view = self._session(event.session_id)
         view.status = event.status
         view.failure = event.failure
+        view.cause = event.cause
         view.reason = event.reason
         view.exit_code = event.exit_code
         view.ended_at = event.occurred_at
@@ -164,14 +182,31 @@ class RolloutView:
     def task(self, task_id: str) -> TaskAccepted | None:
         return self._tasks.get(task_id)
 
+    def _latest(self, first: str, retries: int) -> tuple[str, int]:
+        """The sample's latest session whose spec (or any event) is on the log: (id, attempt)."""
+        for attempt in range(retries, 0, -1):
+            sid = retry_session_id(first, attempt)
+            if sid in self._registered or sid in self._sessions:
+                return sid, attempt
+        return first, 0
+
     def sessions(self, task_id: str) -> list[SessionStatusView]:
-        """The task's sessions, in sample order, with their evaluator's reward filled in."""
+        """The task's samples in order, each as its latest session (the ones it replaced under
+        ``retries``), with their evaluator's reward filled in."""
         accepted = self._tasks[task_id]
         evaluator = accepted.request.evaluator.name if accepted.request.evaluator else None
+        retries = accepted.request.max_retries or 0
         out = []
-        for index, sid in enumerate(accepted.session_ids):
+        for index, first in enumerate(accepted.session_ids):
+            sid, attempt = self._latest(first, retries)
             view = self._session(sid).model_copy(deep=True)
             view.sample_index = index
+            view.attempt = attempt
+            earlier = [first, *(retry_session_id(first, n) for n in range(1, attempt))]
+            view.retries = [RetryView(session_id=e, cause=self._session(e).cause, reason=self._session(e).reason)
+                            for e in earlier[:attempt]]
+            view.retry_pending = (view.status is not None and attempt < retries
+                                  and resubmitted(view.cause, view.failure))
             view.completions = max(self._completions.get(sid, 0), self._built_completions.get(sid, 0))
             verdict = next((e for e in view.evaluations if e.evaluator == evaluator), None)
             view.reward = verdict.reward if verdict is not None else None
@@ -193,8 +228,27 @@ class RolloutView:
         accepted = self._tasks[task_id]
         return self._state(accepted, self.sessions(task_id), now or _utcnow())
 
+    def take_retries(self) -> list[SessionSpec]:
+        """New specs for the samples whose latest session is pending resubmission and whose next session
+        is not on the log yet (each offered until its spec is applied to the view)."""
+        out = []
+        for task_id, accepted in self._tasks.items():
+            for index, view in enumerate(self.sessions(task_id)):
+                if not view.retry_pending:
+                    continue
+                attempt = view.attempt + 1
+                new_id = retry_session_id(accepted.session_ids[index], attempt)
+                spec = self._specs.get(view.session_id) or self._specs.get(accepted.session_ids[index])
+                if new_id in self._registered or spec is None:
+                    continue
+                fields = spec.model_dump(exclude={"event_id", "occurred_at", "emitted_at", "source"})
+                fields.update(session_id=new_id, attempt=attempt, retry_of=view.session_id, api_key=new_api_key(),
+                              sample_index=index)
+                out.append(SessionSpec.model_validate(fields))
+        return out
+
     def _state(self, accepted: TaskAccepted, sessions: list[SessionStatusView], now: datetime) -> TaskState:
-        if not all(s.ended for s in sessions):
+        if not all(s.ended and not s.retry_pending for s in sessions):
             started = any(s.ended or s.stage != SessionStage.QUEUED for s in sessions)
             return TaskState.RUNNING if started else TaskState.PENDING
         if self._missing_evaluations(accepted, sessions) == 0:
@@ -244,7 +298,7 @@ class RolloutView:
             sessions = self.sessions(task_id)
             out.append(TaskSummary(task_id=task_id, state=self._state(accepted, sessions, now),
                                    accepted_at=accepted.occurred_at, num_samples=len(sessions),
-                                   ended=sum(1 for s in sessions if s.ended)))
+                                   ended=sum(1 for s in sessions if s.ended and not s.retry_pending)))
         return out
 
     def take_finished(self, now: datetime | None = None) -> list[TaskResult]:
@@ -269,10 +323,12 @@ class StatusFeed:
     """
 
     def __init__(self, kafka: KafkaSettings, view: RolloutView, on_finished: Callable[[TaskResult], None],
-                 *, count_completions: bool = True, poll_ms: int = 200) -> None:
+                 *, count_completions: bool = True, poll_ms: int = 200,
+                 on_retries: Callable[[list[SessionSpec]], Awaitable[None]] | None = None) -> None:
         self.kafka = kafka
         self.view = view
         self.on_finished = on_finished
+        self.on_retries = on_retries
         self.count_completions = count_completions
         self.poll_ms = poll_ms
         self.caught_up = asyncio.Event()
@@ -323,6 +379,8 @@ class StatusFeed:
                     self._events_caught_up.set()
                     self._update_caught_up()
                 if self.caught_up.is_set():
+                    if self.on_retries is not None and (retries := self.view.take_retries()):
+                        await self.on_retries(retries)
                     for result in self.view.take_finished():
                         self.on_finished(result)
 

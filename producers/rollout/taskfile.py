@@ -1,8 +1,11 @@
 """Reading a tasks file and posting it to a rollout server.
 
-Two formats (``load_tasks(..., format=...)``): ``tasks`` (the default: JSON Lines, one TaskRequest a
-line) and ``swebench`` (SWE-bench / SWE-Gym instances, a JSON array or JSON Lines, each converted by
-schemas.swebench.to_task_request into a task graded by the ``swebench`` evaluator).
+Three formats (``load_tasks(..., format=...)``): ``tasks`` (the default: JSON Lines, one TaskRequest a
+line), ``swebench`` (SWE-bench / SWE-Gym instances, a JSON array or JSON Lines, each converted by
+schemas.swebench.to_task_request into a task graded by the ``swebench`` evaluator) and ``harbor`` (a
+folder of Harbor task folders, each converted by schemas.harbor.to_task_request into a task in its
+environment image, scored by the ``harbor`` evaluator; ``Overrides.oracle`` runs each task's
+``solution/solve.sh`` in place of a harness).
 
 Blank lines and lines starting with ``#`` are skipped. A relative ``runtime.repo`` that is a local path
 (not a URL, not ``user@host:path``) is resolved against the tasks file's directory, so a tasks file and
@@ -20,11 +23,12 @@ from typing import Any, Literal, get_args
 import httpx
 from pydantic import ValidationError
 
+from schemas import harbor
 from schemas.rollouts import TaskSubmitted
 from schemas.swebench import describe_validation_error, read_instances, to_task_request
 from schemas.tasks import EngineParams, HarnessName, TaskRequest
 
-TaskFormat = Literal["tasks", "swebench"]
+TaskFormat = Literal["tasks", "swebench", "harbor"]
 TASK_FORMATS: tuple[str, ...] = get_args(TaskFormat)
 DEFAULT_SWEBENCH_HARNESS: HarnessName = "qwen-code"
 
@@ -71,6 +75,10 @@ class Overrides:
     """Engine parameters for tasks that carry none (SWE-bench instances)."""
     runtime: dict[str, Any] | None = None
     """Extra RuntimeSpec fields for SWE-bench tasks' containers (``network``, ``cpus``, ``memory``, ...)."""
+    oracle: bool = False
+    """Harbor tasks: run each task's ``solution/solve.sh`` instead of a harness."""
+    command: str | None = None
+    """Harbor tasks with the ``command`` harness: its command line."""
 
 
 def _is_local_path(repo: str) -> bool:
@@ -103,6 +111,8 @@ def load_tasks(path: Path, overrides: Overrides = Overrides(), *,
     array of SWE-bench instances, the entry's position)."""
     if format == "swebench":
         return load_swebench(path, overrides)
+    if format == "harbor":
+        return load_harbor(path, overrides)
     if format != "tasks":
         raise ValueError(f"unknown tasks file format {format!r}; known: {', '.join(TASK_FORMATS)}")
     good: list[TaskLine] = []
@@ -157,6 +167,34 @@ def load_swebench(path: Path, overrides: Overrides = Overrides()) -> tuple[list[
             continue
         good.append(TaskLine(record.position, request, record.where))
     bad.sort(key=lambda b: b.line_no)
+    return good, bad
+
+
+def load_harbor(path: Path, overrides: Overrides = Overrides()) -> tuple[list[TaskLine], list[BadLine]]:
+    """Harbor task folders under ``path`` as task requests (in name order; ``line_no`` is the position):
+    harness ``overrides.harness`` (default qwen-code), or the oracle with ``overrides.oracle``."""
+    if not path.is_dir():
+        return [], [BadLine(1, f"{path} is not a folder (--format harbor reads a folder of task folders)")]
+    tasks, refused = harbor.read_tasks(path)
+    bad = [BadLine(0, reason, name) for name, reason in refused]
+    good: list[TaskLine] = []
+    try:
+        harness = _harness(overrides.harness)
+    except ValueError as exc:
+        return [], bad + [BadLine(i, str(exc), t.name) for i, t in enumerate(tasks, start=1)]
+    for position, task in enumerate(tasks, start=1):
+        try:
+            request = harbor.to_task_request(task, harness=harness, samples=overrides.samples or 1,
+                                             oracle=overrides.oracle, command=overrides.command,
+                                             engine=overrides.engine, task_id_suffix=overrides.task_id_suffix,
+                                             runtime=overrides.runtime)
+        except ValidationError as exc:
+            bad.append(BadLine(position, describe_validation_error(exc), task.name))
+            continue
+        except harbor.HarborTaskError as exc:
+            bad.append(BadLine(position, str(exc), task.name))
+            continue
+        good.append(TaskLine(position, request, task.name))
     return good, bad
 
 

@@ -12,16 +12,10 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from producers.errors import RuntimeFailed, RuntimeInitError
 from schemas.tasks import RuntimeSpec
 
-
-class RuntimeError_(Exception):
-    """Base class; never raised itself."""
-
-
-class RuntimeInitError(RuntimeError_):
-    """The runtime could not be prepared (checkout, set-up command, container start): an infrastructure
-    failure of the session, not the policy's."""
+__all__ = ["CommandResult", "HarnessFiles", "Runtime", "RuntimeFailed", "RuntimeHandle", "RuntimeInitError"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +27,11 @@ class CommandResult:
     stderr: str
     timed_out: bool = False
     duration_s: float = 0.0
+    oom_killed: bool | None = None
+    """The sandbox's memory limit killed a process while the command ran; None where the runtime cannot
+    tell (it has no such limit, or the command did not fail)."""
+    pids_limit_hit: bool | None = None
+    """A fork failed at the sandbox's pids limit while the command ran; None where the runtime cannot tell."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,10 @@ URLs unchanged. ``none``: no network and no proxy.
 unset) from the spec. Labels name the session, the node, this host, and the creating process with its
 start time, so :mod:`producers.runtimes.reaper` can remove the containers of a creator that died.
 
+**Images built here.** A spec with ``build`` (schemas.tasks.ImageBuild: a Harbor task's environment) has
+its image built by :mod:`producers.runtimes.image_build` when the engine lacks it; a failed build fails
+the init with the builder's reason.
+
 **Harness CLIs.** An image labelled ``rollwire.harness_cache`` with this machine's ``harness_cache()``
 carries the pinned CLIs at that path; otherwise the cache is mounted read-only there (when it exists).
 
@@ -34,6 +38,15 @@ pids: one run at a time per handle. The
 container is removed on every path: teardown, a failed or cancelled init (even while the engine is still
 creating it), and, when the creator died, the reaper. ``handle.start_s`` is the seconds from create to
 ready (the relay listening).
+
+**What the limits did.** A command that fails is asked whether the sandbox ended it, so that the gateway
+node can blame the machine and not the model (schemas/attribution.py): ``oom_killed`` when the container's
+``State.OOMKilled`` is set or the engine reported an ``oom`` event for the container while the command ran
+(an exec'd process killed at the memory limit leaves the container running, and Docker sets
+``State.OOMKilled`` only when the container itself ends, so the event is what shows it), and
+``pids_limit_hit`` when the container's pids cgroup counted a fork refused at the limit while it ran (its
+``pids.events``, read on this machine through the container's init's ``/proc/<pid>/cgroup``; None where
+that cannot be read, e.g. a remote engine).
 
 The ``docker`` package is the project's ``docker`` extra and is imported only when a container starts.
 """
@@ -55,6 +68,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from producers.harness_install import harness_cache
 from producers.runtimes.base import CommandResult, Runtime, RuntimeHandle, RuntimeInitError
+from producers.runtimes.image_build import ImageBuilds
 from producers.runtimes.local import default_root, remove_tree, setup_failure, write_files
 from producers.runtimes.process import OUTPUT_TAIL_BYTES
 from producers.runtimes.reaper import NODE_LABEL, SESSION_LABEL, creator_labels
@@ -197,6 +211,8 @@ class DockerHandle(RuntimeHandle):
         self._starting: asyncio.Future[Any] | None = None
         self._kill_grace_s = kill_grace_s
         self._stdin_files = itertools.count()
+        self._pids_events: Path | None = None
+        self._pids_unreadable = False
 
     @property
     def host_workspace(self) -> Path | None:
@@ -230,7 +246,8 @@ class DockerHandle(RuntimeHandle):
             name = f".rollwire/stdin-{next(self._stdin_files)}"
             await self.write_home_files({name: stdin})
             argv = ["sh", "-c", 'exec "$@" < "$0"', f"{CONTAINER_HOME}/{name}", *argv]
-        started = time.monotonic()
+        started, since = time.monotonic(), time.time()
+        pids_refused = await asyncio.to_thread(self._pids_refused)
         task = asyncio.ensure_future(asyncio.to_thread(
             _exec_blocking, api, container_id, argv, {**env, "HOME": self.home}, self.workspace,
             OUTPUT_TAIL_BYTES))
@@ -244,9 +261,52 @@ class DockerHandle(RuntimeHandle):
         except BaseException:
             await asyncio.shield(self.kill_all(grace_s=0))
             raise
+        oom_killed = pids_limit_hit = None
+        if exit_code != 0 and not timed_out:
+            oom_killed, pids_limit_hit = await asyncio.to_thread(self._limits_hit, since, pids_refused)
         return CommandResult(exit_code=exit_code, stdout=stdout.decode(errors="replace"),
                              stderr=stderr.decode(errors="replace"), timed_out=timed_out,
-                             duration_s=time.monotonic() - started)
+                             duration_s=time.monotonic() - started, oom_killed=oom_killed,
+                             pids_limit_hit=pids_limit_hit)
+
+    def _limits_hit(self, since: float, pids_refused: int | None) -> tuple[bool | None, bool | None]:
+        """After a failed command that started at ``since`` (wall clock): whether the memory limit killed a
+        process meanwhile, and whether a fork was refused at the pids limit (see the module docstring);
+        None for what could not be asked."""
+        oom: bool | None = None
+        with contextlib.suppress(Exception):  # the engine's answer is evidence, not a condition of the run
+            container = self._container
+            container.reload()
+            oom = bool(container.attrs["State"].get("OOMKilled"))
+            if not oom:
+                events = container.client.api.events(
+                    since=int(since) - 1, until=f"{time.time():.9f}",
+                    filters={"container": container.id, "event": "oom"}, decode=True)
+                try:
+                    oom = any(True for _ in events)
+                finally:
+                    events.close()
+        after = self._pids_refused()
+        return oom, None if pids_refused is None or after is None else after > pids_refused
+
+    def _pids_refused(self) -> int | None:
+        """The forks the container's pids cgroup has refused at its limit so far (``max`` in its
+        ``pids.events``, cgroup v1 or v2); None where this machine cannot read it."""
+        if self._pids_unreadable:
+            return None
+        try:
+            if self._pids_events is None:
+                container = self._container
+                container.reload()
+                self._pids_events = _pids_events_file(int(container.attrs["State"]["Pid"]))
+            for line in self._pids_events.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "max":
+                    return int(value)
+        except Exception:  # no container, a remote engine, no such cgroup file: nothing to tell
+            self._pids_unreadable = self._pids_events is None
+            return None
+        return None
 
     async def _ended(self, task: asyncio.Future[tuple[int | None, bytes, bytes]]) -> tuple[int | None, bytes, bytes]:
         """The killed run's end. When the in-container kill could not run (no pid left for an exec: a fork
@@ -320,6 +380,19 @@ class DockerHandle(RuntimeHandle):
             await asyncio.to_thread(remove_tree, self.run_dir)
 
 
+def _pids_events_file(pid: int) -> Path:
+    """The ``pids.events`` of process ``pid``'s pids cgroup, by its ``/proc/<pid>/cgroup`` line (v1's
+    ``N:pids:/path`` or, without one, v2's ``0::/path``)."""
+    lines = [line.split(":", 2) for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()]
+    for _, controllers, path in lines:
+        if "pids" in controllers.split(","):
+            return Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "pids.events"
+    for hierarchy, controllers, path in lines:
+        if hierarchy == "0" and not controllers:
+            return Path("/sys/fs/cgroup") / path.lstrip("/") / "pids.events"
+    raise FileNotFoundError(f"process {pid} is in no pids cgroup")
+
+
 def docker_client() -> Any:
     """A client of the local Docker engine, checked with a ping; :class:`RuntimeInitError` when none answers."""
     try:
@@ -354,6 +427,7 @@ class DockerRuntime(Runtime):
         self.mount_harness_cache = mount_harness_cache
         self.node = node
         self._client: Any = None
+        self._builds = ImageBuilds()
 
     def volumes(self, spec: RuntimeSpec, host_root: Path, workdir: str, *, run_dir: Path | None = None,
                 image_labels: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
@@ -416,6 +490,8 @@ class DockerRuntime(Runtime):
             raise RuntimeInitError(str(exc)) from exc
         if self._client is None:
             self._client = await asyncio.to_thread(docker_client)
+        if spec.build is not None:  # bounded by the build's own timeout, within the init's
+            await asyncio.to_thread(self._builds.ensure, self._client, spec.image, spec.build)
         image = await asyncio.to_thread(self._image, spec.image)
         handle.in_image = spec.repo is None
         if handle.in_image:

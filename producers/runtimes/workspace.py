@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from producers.errors import GitError as GitError
+
 # Paths never part of a session's patch: what harnesses write into a workspace (config, sessions),
 # language caches, virtual environments and build output. Globs as git pathspecs (``**/`` matches the
 # workspace root as well); ``.git`` is never added by git itself.
@@ -33,10 +35,6 @@ PATCH_EXCLUDES: tuple[str, ...] = (
 # A fixed identity for the commits rollwire makes, so that the host's git config does not matter.
 _IDENTITY = ("-c", "user.name=rollwire", "-c", "user.email=rollwire@localhost", "-c", "commit.gpgsign=false")
 _OUTPUT_TAIL = 4000
-
-
-class GitError(Exception):
-    """A git command failed; the message holds the command and its output tail."""
 
 
 async def git(args: Sequence[str], *, cwd: Path | None = None, env: Mapping[str, str] | None = None,

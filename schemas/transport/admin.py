@@ -73,7 +73,7 @@ class ExtraTopic:
 
     def configs(self, max_message_bytes: int = MAX_MESSAGE_BYTES, min_insync_replicas: int = 1) -> dict[str, str]:
         """Topic-level broker configs, the same keys as :meth:`schemas.topics.TopicSpec.configs`, and the
-        replication guarantees (issue 19)."""
+        replication guarantees."""
         return {
             # A topic's limit applies to whole batches: room for their framing (schemas/topics.py).
             "max.message.bytes": str(max_message_bytes + FRAMING_BYTES),

@@ -267,6 +267,13 @@ class EventConsumer:
         """Read ``partition`` from ``offset`` on (it must be assigned)."""
         self._consumer.seek(partition, offset)
 
+    async def position(self, partition: TopicPartition) -> int:
+        """The offset of the next record this consumer will read from ``partition`` (it must be assigned)."""
+        try:
+            return int(await self._consumer.position(partition))
+        except KafkaError as exc:
+            raise TransportError(f"position on {partition}: {exc!r}") from exc
+
     async def seek_to_beginning(self, partitions: Iterable[TopicPartition] | None = None) -> None:
         """Read the given (default: every assigned) partition from its oldest retained record."""
         try:
@@ -276,16 +283,15 @@ class EventConsumer:
 
     async def seek_to_time(self, timestamp_ms: int, partitions: Iterable[TopicPartition] | None = None) -> None:
         """Read each given (default: assigned) partition from its first record at or after ``timestamp_ms``;
-        a partition without one reads only what comes next."""
+        a partition without one reads what comes next: from its end as it was before the search, so that a
+        record written during the search is never skipped."""
         targets = list(partitions) if partitions is not None else sorted(self.assignment())
         try:
+            ends = await self._consumer.end_offsets(targets)
             found = await self._consumer.offsets_for_times({tp: timestamp_ms for tp in targets})
             for tp in targets:
                 at = found.get(tp)
-                if at is None:
-                    await self._consumer.seek_to_end(tp)
-                else:
-                    self._consumer.seek(tp, at.offset)
+                self._consumer.seek(tp, ends[tp] if at is None else at.offset)
         except KafkaError as exc:
             raise TransportError(f"seeking {self.topic_names} to {timestamp_ms} ms: {exc!r}") from exc
 

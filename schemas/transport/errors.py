@@ -1,7 +1,9 @@
 """Exceptions raised at the Kafka boundary; aiokafka's own errors are translated into these."""
 
+from schemas.errors import SchemaError
 
-class TransportError(Exception):
+
+class TransportError(SchemaError):
     """Base class for failures talking to Kafka."""
 
 

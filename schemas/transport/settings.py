@@ -18,38 +18,37 @@ from schemas.topics import (
 class KafkaSettings(BaseSettings):
     """Where the broker is and how topics are named. Every field reads ``ROLLWIRE_<FIELD>``.
 
-    ``ROLLWIRE_KAFKA_BOOTSTRAP`` (default ``127.0.0.1:19092``, the project's local broker),
-    ``ROLLWIRE_TOPIC_PREFIX`` (``rollwire.``), ``ROLLWIRE_SESSION_PARTITIONS`` (8),
-    ``ROLLWIRE_TASK_PARTITIONS`` (4), ``ROLLWIRE_MAX_MESSAGE_BYTES`` (8 MiB),
-    ``ROLLWIRE_KAFKA_CLIENT_ID`` (``rollwire``), ``ROLLWIRE_KAFKA_LINGER_MS`` (2),
-    ``ROLLWIRE_KAFKA_REQUEST_TIMEOUT_MS`` (30000), ``ROLLWIRE_REPLICATION_FACTOR`` (1),
-    ``ROLLWIRE_MIN_INSYNC_REPLICAS`` (1).
-
-    What a replicated deployment must set (issue 19): ``ROLLWIRE_REPLICATION_FACTOR=3`` and
-    ``ROLLWIRE_MIN_INSYNC_REPLICAS=2`` for every service (the topics they create get both; with the
-    producers' ``acks=all`` an acknowledged event is then on two brokers at least, and a partition that is
-    down to one in-sync replica refuses writes rather than keeping the only copy), and on the brokers
-    ``unclean.leader.election.enable=false`` (Kafka's default; the topics set it too) so that a replica
-    that missed acknowledged writes never becomes leader. ``rollwire up --brokers 3`` sets all of them.
+    A replicated deployment sets ``ROLLWIRE_REPLICATION_FACTOR=3`` and ``ROLLWIRE_MIN_INSYNC_REPLICAS=2`` for
+    every service (the topics they create get both; with the producers' ``acks=all`` an acknowledged event is
+    then on two brokers at least, and a partition down to one in-sync replica refuses writes rather than
+    keeping the only copy), and keeps ``unclean.leader.election.enable=false`` on the brokers (Kafka's
+    default; the topics set it too), so that a replica that missed acknowledged writes never becomes leader.
+    ``rollwire up --brokers 3`` sets all of them.
     """
 
     model_config = SettingsConfigDict(env_prefix="ROLLWIRE_", extra="ignore")
 
-    kafka_bootstrap: str = "127.0.0.1:19092"
-    topic_prefix: str = DEFAULT_PREFIX
-    session_partitions: int = Field(default=DEFAULT_SESSION_PARTITIONS, ge=1)
-    task_partitions: int = Field(default=DEFAULT_TASK_PARTITIONS, ge=1)
-    max_message_bytes: int = Field(default=MAX_MESSAGE_BYTES, ge=1024 * 1024)
-    kafka_client_id: str = "rollwire"
+    kafka_bootstrap: str = Field(default="127.0.0.1:19092", description=(
+        "The brokers to use, host:port[,host:port...]; when it names another cluster, `rollwire up` starts none."))
+    topic_prefix: str = Field(default=DEFAULT_PREFIX, description="Prefix of every topic name.")
+    session_partitions: int = Field(default=DEFAULT_SESSION_PARTITIONS, ge=1, description=(
+        "Partitions of the session-keyed topics (all the same, so that the workers co-partition them)."))
+    task_partitions: int = Field(default=DEFAULT_TASK_PARTITIONS, ge=1, description=(
+        "Partitions of the task-keyed topics."))
+    max_message_bytes: int = Field(default=MAX_MESSAGE_BYTES, ge=1024 * 1024, description=(
+        "The largest event, enforced alike by the producers, the topics, the consumers and the project's broker."))
+    kafka_client_id: str = Field(default="rollwire", description="Client id the Kafka clients send.")
     # No linger by default: the proxy waits for the ack of each completion before a harness sees the end of
     # its reply, and aiokafka keeps one produce request per broker in flight, so under load records batch
     # by themselves while the previous request is out; a linger would only add its time to every reply.
-    kafka_linger_ms: int = Field(default=0, ge=0)
-    kafka_request_timeout_ms: int = Field(default=30_000, ge=1000)
-    # Replicas of every topic rollwire creates, and how many must have a write before it is acknowledged
-    # (topic config min.insync.replicas); 1 and 1 for the single development broker.
-    replication_factor: int = Field(default=1, ge=1, le=16)
-    min_insync_replicas: int = Field(default=1, ge=1, le=16)
+    kafka_linger_ms: int = Field(default=0, ge=0, description="Producer linger in milliseconds.")
+    kafka_request_timeout_ms: int = Field(default=30_000, ge=1000, description=(
+        "Longest wait for one Kafka request."))
+    replication_factor: int = Field(default=1, ge=1, le=16, description=(
+        "Replicas of every topic and table changelog rollwire creates; 3 on a cluster of several brokers."))
+    min_insync_replicas: int = Field(default=1, ge=1, le=16, description=(
+        "How many replicas must have a write before it is acknowledged (topic min.insync.replicas); 2 on a "
+        "cluster of several brokers."))
 
     @field_validator("kafka_bootstrap")
     @classmethod

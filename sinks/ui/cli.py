@@ -1,20 +1,16 @@
 """``rollwire ui``: serve the read-only web page over the topics in the foreground.
 
-Reads ``ROLLWIRE_KAFKA_BOOTSTRAP`` / ``ROLLWIRE_TOPIC_PREFIX`` like every service, and
-``ROLLWIRE_UI_HOST`` (127.0.0.1), ``ROLLWIRE_UI_PORT`` (8790), ``ROLLWIRE_UI_MAX_BYTES`` (the view's byte
-budget, 512 MiB) and ``ROLLWIRE_UI_TOKENIZER`` (the vocabulary the trace page decodes with, see
-sinks/ui/tokens.py). Options override the variables.
+Reads ``ROLLWIRE_KAFKA_BOOTSTRAP`` / ``ROLLWIRE_TOPIC_PREFIX`` like every service, and ``UiSettings``
+(``ROLLWIRE_UI_*``); options override the variables.
 """
 
 from __future__ import annotations
-
-import os
 
 import typer
 import uvicorn
 
 from schemas.ui_links import DEFAULT_UI_PORT
-from sinks.ui.view import DEFAULT_MAX_BYTES
+from sinks.ui.settings import UiSettings
 
 
 def run_ui(host: str = typer.Option(None, help="Listen address (ROLLWIRE_UI_HOST, default 127.0.0.1)."),
@@ -26,20 +22,18 @@ def run_ui(host: str = typer.Option(None, help="Listen address (ROLLWIRE_UI_HOST
     """Serve the read-only web page (runs, sessions, traces) built from the topics."""
     from schemas.transport.settings import KafkaSettings
     from sinks.ui.app import create_app
-    from sinks.ui.tokens import decoder_from_env
+    from sinks.ui.tokens import decoder_for
     from sinks.ui.view import RunView
 
-    if tokenizer:
-        os.environ["ROLLWIRE_UI_TOKENIZER"] = tokenizer
     try:
-        listen_port = port or int(os.environ.get("ROLLWIRE_UI_PORT", DEFAULT_UI_PORT))
-        budget = max_bytes or int(os.environ.get("ROLLWIRE_UI_MAX_BYTES", DEFAULT_MAX_BYTES))
-        view = RunView(max_bytes=budget)
-        decoder = decoder_from_env()
+        settings = UiSettings()
+        view = RunView(max_bytes=max_bytes or settings.max_bytes)
+        decoder = decoder_for(tokenizer or settings.tokenizer)
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from exc
-    listen_host = host or os.environ.get("ROLLWIRE_UI_HOST", "127.0.0.1")
+    listen_host = host or settings.host
+    listen_port = port or settings.port
     typer.echo(f"ui=http://{listen_host}:{listen_port}/")
     uvicorn.run(create_app(view, decoder, KafkaSettings()), host=listen_host, port=listen_port,
                 log_level="warning", access_log=False)

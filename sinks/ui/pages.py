@@ -55,6 +55,10 @@ class SessionRow:
     advantage: float | None
     seconds: float | None
     timeline: list[Segment] = field(default_factory=list)
+    cause: str | None = None
+    attempt: int = 0
+    retry_of: str | None = None
+    """The session this one resubmits (it failed for the infrastructure)."""
 
 
 @dataclass(slots=True)
@@ -99,6 +103,9 @@ def _row(session: SessionState, sample: GroupSample | None, t0: datetime, scale:
         sample=session.spec.sample_index if session.spec else 0, status=session.status,
         failure=ended.failure.value if ended is not None and ended.failure is not None else None,
         reason=ended.reason if ended is not None else None,
+        cause=ended.cause.value if ended is not None and ended.cause is not None else None,
+        attempt=session.spec.attempt if session.spec else 0,
+        retry_of=session.spec.retry_of if session.spec else None,
         calls=len(session.completions), failed_calls=sum(c.status == "error" for c in calls),
         traces=len(trajectory.traces) if trajectory is not None else None,
         reward=sample.reward if sample is not None and sample.reward is not None else session.reward(),
@@ -163,6 +170,8 @@ class CallRow:
     api: str
     model: str | None
     policy_version: str | None
+    engine: str | None
+    engine_attempts: int
     status: str
     error: str | None
     finish_reason: str | None
@@ -205,6 +214,7 @@ def call_rows(session: SessionState, trajectory: Trajectory | None) -> list[Call
         rows.append(CallRow(
             sequence=call.sequence, event_id=call.event_id, api=call.api,
             model=call.served_model or call.requested_model, policy_version=call.policy_version,
+            engine=call.engine, engine_attempts=call.engine_attempts,
             status=call.status, error=f"{call.error.kind}: {call.error.message}" if call.error else None,
             finish_reason=call.finish_reason,
             latency_ms=timings.total_ms if timings is not None else None,

@@ -11,11 +11,12 @@ shown as U+FFFD: the page shows what each token is, not the joined text.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from sinks.ui.settings import UiSettings
 
 _QWEN_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 
@@ -81,7 +82,11 @@ def _from_qwen_package() -> TokenDecoder:
 
 def decoder_from_env() -> TokenDecoder:
     """The decoder ``ROLLWIRE_UI_TOKENIZER`` names, else the Qwen vocabulary (see the module docstring)."""
-    configured = os.environ.get("ROLLWIRE_UI_TOKENIZER")
+    return decoder_for(UiSettings().tokenizer)
+
+
+def decoder_for(configured: str | None) -> TokenDecoder:
+    """The decoder of the ``tokenizer.json`` (or model folder) ``configured`` names, else the Qwen vocabulary."""
     if configured:
         return _from_tokenizer_json(Path(configured).expanduser())
     try:

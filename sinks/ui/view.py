@@ -28,8 +28,8 @@ from schemas.groups import Group
 from schemas.sessions import SessionEnded, SessionSpec, SessionStage, SessionStageChanged
 from schemas.tasks import TaskAccepted
 from schemas.trajectories import Trajectory
+from sinks.ui.settings import DEFAULT_MAX_BYTES
 
-DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_TASKS = 10_000
 NO_RUN = "-"
 _RUN_SUFFIX = re.compile(r"-r([0-9]{10}[0-9a-f]{2})$")

@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer
 
 from bench.capture_floor import save_records, split_record, with_capture_asks
 from bench.kafka_floor import CapturedRecord
-from bench.standin_engine import StandinConfig, create_app
+from tests.support.standin_engine import StandinConfig, create_app
 from schemas.codec import encode_record
 from schemas.topics import Topic
 from schemas.transport import KafkaSettings

@@ -1,4 +1,4 @@
-"""Fixtures for the replicated-cluster tests (issue 19): a real three-node KRaft cluster from the project's
+"""Fixtures for the replicated-cluster tests: a real three-node KRaft cluster from the project's
 Maven jars, on free ports in a temporary home, started once per test run and stopped at its end.
 
 Each node is a small JVM (``CLUSTER_HEAP``). A test that kills a node restarts it before it returns

@@ -1,4 +1,4 @@
-"""A broker dies mid-rollout and nothing is lost (issue 19): the main job on the three-node cluster over the
+"""A broker dies mid-rollout and nothing is lost: the main job on the three-node cluster over the
 stand-in engine, many short `command` harness sessions, the node leading the most `completions`
 partitions SIGKILLed mid-run and started again later (bench/failover.py runs the same rollout and prints
 its figures). Compared with a fault-free run of the same tasks: every call a harness saw answered has

@@ -1,4 +1,4 @@
-"""The proxy on the three-node cluster (issue 19): a leader's death is waited out within the capture timeout
+"""The proxy on the three-node cluster: a leader's death is waited out within the capture timeout
 and the call ends recorded; with two of three nodes gone no write can be acknowledged, so each call gets
 the provider's retryable error and no tokens, and /metrics says how long captures failed."""
 
@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from deploy.kafka_cluster import KafkaCluster
-from bench.standin_engine import StandinConfig
-from bench.standin_engine import create_app as create_standin
+from tests.support.standin_engine import StandinConfig
+from tests.support.standin_engine import create_app as create_standin
 from proxy.app import create_app
 from schemas.topics import Topic
 from schemas.transport import KafkaAdmin, KafkaSettings, TransportError

@@ -1,4 +1,4 @@
-"""The three-node cluster (deploy/kafka_cluster.py) and what replication promises (issue 19): the nodes form
+"""The three-node cluster (deploy/kafka_cluster.py) and what replication promises: the nodes form
 one quorum, rollwire's topics get three replicas with two in sync and no unclean election, and events that
 the producer (acks=all, idempotent) had acknowledged survive the SIGKILL of the broker leading most of
 their partitions, each exactly once, while sends go on through the leader change."""

@@ -107,7 +107,7 @@ def test_broker_properties_admit_the_largest_event_and_single_node_transactions(
 
 def test_cluster_nodes_share_one_quorum_and_replicate_three_times(tmp_path: Path) -> None:
     """Three nodes laid out from the base port: ids 1..3, two ports each, one voter list and one cluster
-    id, internal topics and topic defaults with 3 replicas and 2 in sync (issue 19)."""
+    id, internal topics and topic defaults with 3 replicas and 2 in sync."""
     base = KafkaConfig(home=tmp_path / "kafka", port=29092)
     nodes = node_configs(base, 3)
     assert [(n.node_id, n.port, n.controller_port) for n in nodes] == [(1, 29092, 29093), (2, 29094, 29095),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from deploy import job as rollout_job
 from producers.rollout.display import (
     acceptance_line,
@@ -128,10 +128,11 @@ def test_display_shows_stages_then_the_summary() -> None:
     summary = _render(summary_table([status]))
     row = next(line for line in summary.splitlines() if line.strip("│┃ ").startswith("demo"))
     cells = [cell.strip() for cell in row.strip("│┃ ").split("│")]
-    # task, sessions, completed, failed policy, failed infra, not ended, completions, trajectories, traces per
-    # session, reward, passed, then mean seconds per stage (init 3.0 over two sessions, running 3.5).
-    assert cells[:11] == ["demo", "3", "1", "1", "1", "0", "3", "1", "0.00", "0.50 (2)", "1/2"]
-    assert cells[11:13] == ["3.0", "-"] and cells[13] == "3.5"
+    # task, sessions, completed, failed policy, failed infra, failed unknown, retries, not ended, completions,
+    # trajectories, traces per session, reward, passed, then mean seconds per stage (init 3.0 over two
+    # sessions, running 3.5).
+    assert cells[:13] == ["demo", "3", "1", "1", "1", "0", "0", "0", "3", "1", "0.00", "0.50 (2)", "1/2"]
+    assert cells[13:15] == ["3.0", "-"] and cells[15] == "3.5"
     assert rollout_job.exit_code([status]) == 1  # one infrastructure failure
 
     # Rewards per session with each sample's advantage from the task's group, and the groups table.
@@ -142,8 +143,8 @@ def test_display_shows_stages_then_the_summary() -> None:
     sessions = _render(sessions_table([status], {task_id: group}))
     cells = {row.strip("│ ").split("│")[0].strip(): [c.strip() for c in row.strip("│ ").split("│")[1:]]
              for row in sessions.splitlines() if row.startswith("│")}
-    assert cells[a] == ["completed", "3", "0 traces", "1.00", "yes", "+0.000"], cells
-    assert cells[b][3:] == ["0.00", "no", "+0.000 (failed)"] and cells[c][5] == "none (infra)", cells
+    assert cells[a] == ["completed", "0", "3", "0 traces", "1.00", "yes", "+0.000"], cells
+    assert cells[b][4:] == ["0.00", "no", "+0.000 (failed)"] and cells[c][6] == "none (infra)", cells
     assert "no group" in _render(sessions_table([status], {}))
     table = _render(groups_table([status], {task_id: group}))
     assert "1.00 0.00 -" in table and "none (equal rewards)" in table, table
@@ -276,14 +277,15 @@ def test_job_runs_sessions_and_delivers_rewards_groups_and_sft(kafka_bootstrap: 
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in text.splitlines() if line.startswith("│ job-r")}
     s0, s1 = (rows[f"{task_id}-s{i}"] for i in (0, 1))
-    assert s0[0] == "completed" and s0[1] == "2" and s0[3:5] == ["1.00", "yes"], s0
-    assert s1[3:5] == ["0.00", "no"], s1
+    # columns: status, retries, completions, trajectory, reward, passed, advantage
+    assert s0[0] == "completed" and s0[1] == "0" and s0[2] == "2" and s0[4:6] == ["1.00", "yes"], s0
+    assert s1[4:6] == ["0.00", "no"], s1
     # The group: both samples, advantages of opposite signs, on `groups` and in the table.
     group = groups[task_id]
     advantages = {x.session_id: x.advantage for x in group.samples}
     assert advantages[f"{task_id}-s0"] > 0 > advantages[f"{task_id}-s1"], group
     assert not group.no_signal and group.evaluator == "tests"
-    assert s0[5] == f"{advantages[task_id + '-s0']:+.3f}", s0
+    assert s0[6] == f"{advantages[task_id + '-s0']:+.3f}", s0
     assert "acceptance (tests, reward >= 1.0): 1/2 accepted = 50.0%" in text, text
     # The SFT output: sample 0's trajectory, in chat-messages form, loaded by `datasets`.
     (sft,) = home.glob("runs/*/sft/sft.jsonl")

@@ -126,13 +126,13 @@ def test_malformed_field_is_a_400_naming_it(client: httpx.Client, bad: Any) -> N
     assert client.get("/health").status_code == 200  # the engine core survived
 
 
-# --- the stand-in engine (bench/standin_engine.py) honours the same turn ----------------------------
+# --- the stand-in engine (tests/support/standin_engine.py) honours the same turn ----------------------------
 
 
 async def test_standin_replies_with_a_forced_turns_text_or_ids() -> None:
     """A turn forced for the real engine carries its text for the stand-in: the stand-in says it (a tool
     call comes back as tool_calls); given only ids, it returns them as its sampled ids."""
-    from bench.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app
+    from tests.support.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app
 
     transport = httpx.ASGITransport(app=create_app(StandinConfig(latency_ms=0)))
     async with httpx.AsyncClient(transport=transport, base_url="http://standin") as standin:
@@ -162,7 +162,7 @@ async def test_standin_replies_with_a_forced_turns_text_or_ids() -> None:
 async def test_standin_streams_a_character_split_across_tokens_once_it_is_whole() -> None:
     """One token per byte: "é" and "日" span several tokens. As vLLM's detokenizer does, the stand-in holds
     a character back until its last byte (empty text before), so the streamed text is the whole reply's."""
-    from bench.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app
+    from tests.support.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app
 
     text = "héllo 日本 ✓"
     transport = httpx.ASGITransport(app=create_app(StandinConfig(latency_ms=0)))

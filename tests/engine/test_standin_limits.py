@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.standin_engine import StandinConfig, create_app, render_prompt, tokenize
+from tests.support.standin_engine import StandinConfig, create_app, render_prompt, tokenize
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 MESSAGES = [{"role": "user", "content": "hi there"}]

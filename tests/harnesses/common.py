@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from bench.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app as create_standin
+from tests.support.standin_engine import FORCED_TEXT_ARG, StandinConfig, create_app as create_standin
 from deploy.engine.plugins import FORCED_TOKENS_ARG
 from deploy.engine.server import EngineConfig
 from deploy.engine.tiny_model import build_tiny_model

@@ -7,7 +7,7 @@ API with token ids, and each call's prompt extends the previous call's prompt + 
 The model's output is scripted by the session's ``engine.turns`` (``structured_outputs.regex`` literals):
 the stand-in engine serves the fast sessions, the real vLLM CPU server one shell session. Codex runs with
 a throwaway HOME and ``CODEX_HOME`` holding a config.toml that points a custom provider at the session's
-OpenAI base URL (../shared/HARNESSES.md), telemetry and plugins off, with only loopback reachable
+OpenAI base URL (docs/harnesses.md), telemetry and plugins off, with only loopback reachable
 (``tests.harnesses.isolation``).
 """
 
@@ -20,20 +20,17 @@ from typing import Any
 
 import pytest
 
-from producers.harness_install import ensure_harness
 from schemas.transport import KafkaSettings
+from tests.harnesses.codex_runs import (
+    CATALOG_MODEL, PLAIN_MODEL, PROOF, PROOF_TEXT, patch_script, run_codex, scripted, shell_script)
 from tests.harnesses.common import (
     ReasoningEngine,
     Script,
     SessionRun,
-    ToolStep,
     assert_calls_recorded as assert_events_recorded,
     assert_no_server_errors,
     assert_prefix_chain,
     assert_prompt_text_chain,
-    clean_env,
-    make_dirs,
-    run_on_session,
     serve_proxy,
     standin_proxy,  # noqa: F401  (fixture)
     vllm_proxy,  # noqa: F401  (fixture)
@@ -42,65 +39,6 @@ from tests.proxy.conftest import ProxyUnderTest
 from tests.proxy.conftest import standin_url  # noqa: F401  (the stand-in engine fixture, module-scoped)
 
 pytestmark = pytest.mark.kafka
-
-# A name outside Codex's model catalog: it offers exec_command, a namespace and web_search.
-PLAIN_MODEL = "qwen3-coder"
-# A catalog name: Codex adds its freeform apply_patch tool (custom, with a Lark grammar).
-CATALOG_MODEL = "gpt-5.5"
-PROOF = "codex-proof.txt"
-PROOF_TEXT = "rollwire codex ok\n"
-
-
-def codex_config(session: dict[str, Any], model: str) -> str:
-    """config.toml for a custom provider on the session: Responses wire, no retries, nothing phoning home."""
-    return f"""model = "{model}"
-model_provider = "rollwire"
-approval_policy = "never"
-sandbox_mode = "danger-full-access"
-
-[model_providers.rollwire]
-name = "rollwire"
-base_url = "{session['base_urls']['openai']}"
-env_key = "ROLLWIRE_CODEX_KEY"
-wire_api = "responses"
-request_max_retries = 0
-stream_max_retries = 0
-
-[analytics]
-enabled = false
-
-[features]
-plugins = false
-"""
-
-
-async def run_codex(proxy: ProxyUnderTest, root: Path, instruction: str, engine: dict[str, Any],
-                    model: str = PLAIN_MODEL) -> SessionRun:
-    """Run ``codex exec`` once in ``root/workspace`` (HOME ``root/home``) on a new session with ``engine``."""
-    home, workspace = make_dirs(root)
-    (home / "codex").mkdir()
-    session = proxy.new_session(engine=engine)
-    (home / "codex" / "config.toml").write_text(codex_config(session, model))
-    env = {**clean_env("CODEX_"), "HOME": str(home), "CODEX_HOME": str(home / "codex"),
-           "ROLLWIRE_CODEX_KEY": session["api_key"], "NO_COLOR": "1"}
-    command = [str(ensure_harness("codex")), "exec", "--skip-git-repo-check", "--color", "never", instruction]
-    return await run_on_session(proxy, session, command, home=home, workspace=workspace, env=env, timeout_s=600)
-
-
-def scripted(script: Script, max_tokens: int, seed: int) -> dict[str, Any]:
-    return {"max_tokens": max_tokens, "seed": seed, "turns": script.turns()}
-
-
-def shell_script() -> Script:
-    command = f"printf 'rollwire codex ok\\n' > {PROOF}"
-    return Script(steps=(ToolStep("exec_command", {"cmd": command}),), answer="Wrote the proof file.",
-                  expected_files={PROOF: PROOF_TEXT})
-
-
-def patch_script() -> Script:
-    patch = f"*** Begin Patch\n*** Add File: {PROOF}\n+rollwire codex ok\n*** End Patch\n"
-    return Script(steps=(ToolStep("apply_patch", {"input": patch}),), answer="Patched in the proof file.",
-                  expected_files={PROOF: PROOF_TEXT})
 
 
 # -- what every session must show ------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from schemas.swebench import SwebenchInstance, read_instances, to_task_request
 from schemas.tasks import EngineParams
 from schemas.transport import KafkaSettings
 from tests.harnesses.common import Script, ToolStep, serve_standin_proxy
-from tests.producers.test_gateway import Lifecycle, node_settings, publish
+from tests.producers.gateway_nodes import Lifecycle, node_settings, publish
 from tests.proxy.conftest import ProxyUnderTest
 
 pytestmark = [pytest.mark.kafka, pytest.mark.docker]

@@ -37,10 +37,10 @@ from typing import Any
 
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from producers.harness_install import ensure_harness
-from proxy.gemini import GeminiApi
-from proxy.providers import Route
+from proxy.apis.gemini import GeminiApi
+from proxy.apis.base import Route
 from schemas.completions import Completion
 from schemas.transport import KafkaSettings
 from tests.harnesses.common import (

@@ -45,12 +45,12 @@ from typing import Any
 
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from producers.harness_install import ensure_harness
-from proxy.equivalence import content_text
-from proxy.openai_chat import ChatCompletionsApi
-from proxy.openai_responses import ResponsesApi
-from proxy.providers import Route
+from proxy.continuation.equivalence import content_text
+from proxy.apis.openai_chat import ChatCompletionsApi
+from proxy.apis.openai_responses import ResponsesApi
+from proxy.apis.base import Route
 from schemas.completions import Completion
 from schemas.transport import KafkaSettings
 from tests.harnesses.common import (

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from producers.harness_install import ensure_harness
-from proxy.gemini import GeminiApi
-from proxy.providers import Route
+from proxy.apis.gemini import GeminiApi
+from proxy.apis.base import Route
 from schemas.completions import Completion
 from tests.harnesses.common import (
     assert_exit_ok,

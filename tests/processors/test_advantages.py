@@ -1,4 +1,4 @@
-"""GRPO and leave-one-out advantages on hand-computed groups (issue 7, item 2).
+"""GRPO and leave-one-out advantages on hand-computed groups.
 
 The numbers below are worked out by hand in the comments, so a change to the estimator (population
 instead of sample std, failed samples leaking into the baseline, infrastructure failures getting a 0
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from processors.groups.advantages import SampleClass, SampleOutcome, classify, compute_advantages
+from processors.groups.advantages import usable_count, SampleClass, SampleOutcome, classify, compute_advantages
 from schemas.sessions import FailureKind, SessionStatus
 
 OK = SessionStatus.COMPLETED
@@ -44,10 +44,9 @@ def test_failed_sessions_stay_out_of_the_baseline_with_zero_advantage() -> None:
         scored("a", 1.0),
         scored("b", 0.0),
         scored("c", 0.5),
-        # The policy's failures: timeout, error, and a completed session whose evaluation errored.
+        # The policy's failures: timeout, error, cancelled.
         SampleOutcome("d", reward=0.0, status=SessionStatus.TIMEOUT, failure=FailureKind.POLICY),
         SampleOutcome("e", reward=1.0, status=SessionStatus.ERROR),
-        SampleOutcome("f", reward=None, status=OK, evaluation_error=True),
         SampleOutcome("g", reward=0.0, status=SessionStatus.CANCELLED),
     ]
     # Baseline 1, 0, 0.5: mean 0.5, sample std sqrt((0.25 + 0.25 + 0) / 2) = 0.5
@@ -57,7 +56,7 @@ def test_failed_sessions_stay_out_of_the_baseline_with_zero_advantage() -> None:
     assert by_id["a"].advantage == pytest.approx(1.0)
     assert by_id["b"].advantage == pytest.approx(-1.0)
     assert by_id["c"].advantage == pytest.approx(0.0)
-    for failed in "defg":
+    for failed in "deg":
         assert by_id[failed].advantage == 0.0 and not by_id[failed].in_baseline
     # e's reward of 1 must not have entered the mean (it would have made it 0.625).
     assert by_id["e"].reward == 1.0
@@ -122,3 +121,24 @@ def test_no_scored_sample_at_all() -> None:
 def test_unknown_estimator_is_refused() -> None:
     with pytest.raises(ValueError, match="leave_one_out"):
         compute_advantages([scored("a", 1)], estimator="ppo")  # type: ignore[arg-type]
+
+
+def test_evaluator_crash_and_unknown_failures_stay_out_of_baseline_and_training() -> None:
+    """A completed session whose evaluator crashed says nothing of the policy (the evaluator's failure is the
+    infrastructure's), and a failure the evidence could not attribute is never counted as the policy's: both
+    get no advantage, stay out of the baseline, and are not usable."""
+    outcomes = [
+        scored("a", 1.0),
+        scored("b", 0.0),
+        SampleOutcome("c", reward=None, status=OK, evaluation_error=True),
+        SampleOutcome("d", reward=0.0, status=SessionStatus.ERROR, failure=FailureKind.UNKNOWN),
+        SampleOutcome("e", reward=0.0, status=SessionStatus.ERROR, failure=FailureKind.POLICY),
+    ]
+    group = compute_advantages(outcomes, eps=0.0)
+    by_id = {s.session_id: s for s in group.samples}
+    assert by_id["c"].advantage is None and by_id["c"].failure is FailureKind.INFRASTRUCTURE
+    assert by_id["d"].advantage is None and by_id["d"].failure is FailureKind.UNKNOWN
+    assert not by_id["c"].in_baseline and not by_id["d"].in_baseline
+    assert by_id["e"].advantage == 0.0
+    assert group.baseline_mean == pytest.approx(0.5)
+    assert usable_count(outcomes) == 3

@@ -1,9 +1,9 @@
 """The worker's logic without Kafka: SessionAggregator over dict tables, the payload cache, CallRef.
 
-Completion payloads are not copied into tables (issue 5: a table write re-sends its value to the
+Completion payloads are not copied into tables (a table write re-sends its value to the
 changelog); these tests pin what replaces them: the session's one small value holding the log offsets of
 its completions, the bytes from the cache, and the log read back by offset when the cache misses (after a
-restart), with the same trajectory; and a batch of records costs one table write per session. Issue 16:
+restart), with the same trajectory; and a batch of records costs one table write per session. The
 prompt deltas are resolved before the build (the same trajectory as from full events, v1 and v2 mixed),
 and a call whose parent is missing is dead-lettered with the calls resting on it, never built.
 """
@@ -16,18 +16,18 @@ from typing import Any
 
 import orjson
 
-from processors.aggregate import Outputs, SessionAggregator, Tables, built_entry
-from processors.payloads import LogReadError, PayloadCache
-from processors.progress import InputProgress
-from processors.open_sessions import CallRef, OpenSession
-from processors.session_builds import TrajectoryRecord
-from processors.intake import completion_session
+from processors.trajectories.aggregate import Outputs, SessionAggregator, Tables, built_entry
+from processors.trajectories.payloads import LogReadError, PayloadCache
+from processors.trajectories.progress import InputProgress
+from processors.trajectories.open_sessions import CallRef, OpenSession
+from processors.trajectories.session_builds import TrajectoryRecord
+from processors.trajectories.intake import completion_session
 from schemas.codec import HEADER_EVENT_TYPE, HEADER_SCHEMA_VERSION, decode_event, encode_event, event_headers
 from schemas.dead_letter import DeadLetter
 from schemas.prompt_chain import is_delta, write_session
 from schemas.topics import Topic, TopicRegistry
 from schemas.trajectories import Trajectory
-from tests.processors.test_worker import expected
+from tests.processors.worker_process import expected
 from tests.processors.worker_process import SessionPlan, linear_session
 
 REGISTRY = TopicRegistry("u.", 4, 2)
@@ -485,7 +485,7 @@ def test_completion_session_needs_the_completion_headers_and_a_key() -> None:
     assert completion_session(b"{}", b"k1", other_type) is None
 
 
-# -- prompt deltas (issue 16) ----------------------------------------------------------------------------
+# -- prompt deltas ----------------------------------------------------------------------------
 
 def _delta_plan(plan: SessionPlan) -> SessionPlan:
     """The session as the proxy writes it now: the first call a keyframe, each later one a delta."""

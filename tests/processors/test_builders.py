@@ -1,4 +1,4 @@
-"""Trajectory builders on hand-made token sequences: each test pins one rule of issue 5's builders.
+"""Trajectory builders on hand-made token sequences: each test pins one rule of the builders.
 
 Tokens: 1-9 system/user text, 10-19 and 40-49 sampled, 20-39 tool results, 99 end-of-turn.
 """
@@ -320,7 +320,7 @@ def _versioned(sequence: int, prompt: list[int], sampled: list[int], version: st
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_policy_versions_span_the_completions_and_their_weight_spans(name: str) -> None:
-    """Issue 14: versions 2, 2, 3 and a call that straddled the update to 4 give the range (2, 4)."""
+    """versions 2, 2, 3 and a call that straddled the update to 4 give the range (2, 4)."""
     c0 = _versioned(0, [1, 2], [10, EOT], "2")
     c1 = _versioned(1, full(c0) + [20], [11, EOT], "v2")
     c2 = _versioned(2, full(c1) + [21], [12, EOT], "3")

@@ -1,4 +1,4 @@
-"""processors.continuity: records the stream skips are found and read back, records it repeats are skipped.
+"""processors.trajectories.continuity: records the stream skips are found and read back, records it repeats are skipped.
 
 The classification is checked on its own; the read-back and the committed offsets against the real broker
 (a topic written by the project's producer, a group's offsets committed by a real consumer).
@@ -10,7 +10,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from processors.continuity import DUPLICATE, NEXT, Gap, InputContinuity, RangeReader
+from processors.trajectories.continuity import DUPLICATE, NEXT, Gap, InputContinuity, RangeReader
 from schemas.topics import Topic
 from schemas.transport import KafkaSettings
 from schemas.transport.admin import ExtraTopic, KafkaAdmin

@@ -1,6 +1,6 @@
 """Crash-proof: SIGKILL the worker while sessions stream in, restart it, lose and invent nothing.
 
-Issue 5 item 6. The worker is killed twice mid-stream (no flush, no commit) and restarted on the same
+The worker is killed twice mid-stream (no flush, no commit) and restarted on the same
 data dir and app id. Reading the trajectories topic and dropping duplicates by event id, every session
 must have exactly the trajectory of a fault-free run (``build_trajectory`` on its events, which
 test_worker shows the worker matches), none missing, no partial or extra ones.
@@ -14,7 +14,7 @@ import pytest
 
 from schemas.topics import Topic
 from schemas.transport import EventProducer
-from tests.processors.test_worker import expected
+from tests.processors.worker_process import expected
 from tests.processors.worker_process import WorkerProcess, by_session, linear_session, read_events
 
 pytestmark = pytest.mark.kafka

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from processors.faust_worker import EagerConsumer, _continued, worker_app
+from processors.worker.faust_worker import EagerConsumer, _continued, worker_app
 
 
 @pytest.fixture

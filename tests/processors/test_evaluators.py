@@ -1,4 +1,4 @@
-"""Evaluators (issue 7, item 1): the `tests` evaluator on a tiny task repository, and the runner end to end.
+"""Evaluators: the `tests` evaluator on a tiny task repository, and the runner end to end.
 
 The `tests` evaluator must give 1 for a patch that fixes the task, 0 for one that does not, 0 for an empty
 patch and 0 (with git's reason) for a patch that does not apply to the base commit; its checkout must be
@@ -78,7 +78,7 @@ def patches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_registry_names_the_shipped_evaluators() -> None:
     assert set(EVALUATORS) >= {"session_completed", "tests"}
     assert evaluator_class("tests") is TestsEvaluator
-    with pytest.raises(Exception, match="known: session_completed, swebench, tests"):
+    with pytest.raises(Exception, match="known: harbor, judge, session_completed, swebench, tests"):
         evaluator_class("nope")
 
 

@@ -98,7 +98,8 @@ def test_group_at_deadline_flags_what_is_missing() -> None:
     assert group.samples[3].trajectory_id is None
 
 
-def test_an_errored_evaluation_is_a_failed_sample() -> None:
+def test_an_errored_evaluation_is_an_infrastructure_sample() -> None:
+    """The evaluator crashing says nothing of the policy: no advantage, out of the baseline."""
     state = task_state(3)
     for i, reward in enumerate([1.0, 0.0]):
         state.add(traj(f"s{i}")), state.add(ev(f"s{i}", reward))
@@ -107,7 +108,38 @@ def test_an_errored_evaluation_is_a_failed_sample() -> None:
                                "error": "docker died"}))
     assert decide_at(state, T0) is State.EMITTED
     group = build_group(state, default_evaluator="x", estimator="grpo", eps=0.0)
-    assert group.samples[2].advantage == 0.0 and not group.samples[2].in_baseline
+    assert group.samples[2].advantage is None and not group.samples[2].in_baseline
+    assert group.samples[2].failure is FailureKind.INFRASTRUCTURE and group.usable == 2
+
+
+def test_a_resubmitted_sample_waits_for_its_next_session_and_stands_for_it() -> None:
+    """An infrastructure failure with resubmissions left is not in: the group waits for the sample's next
+    session (``<first id>-retry<n>``) and then carries that session in the sample's place."""
+    state = TaskState(TaskFacts("t", ["s0", "s1"], 2, T0 + 100, "tests", "g", "v1", max_retries=2))
+    state.add(traj("s0")), state.add(ev("s0", 1.0))
+    state.add(traj("s1", status="error", failure="infrastructure"))
+    assert decide_at(state, T0) is None  # s1's resubmission is coming
+    state.add(traj("s1-retry1", status="error", failure="infrastructure"))
+    assert decide_at(state, T0) is None
+    state.add(traj("s1-retry2")), state.add(ev("s1-retry2", 0.0))
+    assert decide_at(state, T0) is State.EMITTED
+    group = build_group(state, default_evaluator="x", estimator="grpo", eps=0.0, min_usable=1.0)
+    assert [(s.session_id, s.attempt) for s in group.samples] == [("s0", 0), ("s1-retry2", 2)]
+    assert group.usable == 2 and not group.insufficient and group.baseline_mean == 0.5
+
+
+def test_a_group_short_of_usable_samples_is_marked_insufficient() -> None:
+    """Resubmissions spent, one sample of two still an infrastructure failure, one unknown: under the
+    minimum usable share, the group is emitted marked insufficient (the feed leaves it out)."""
+    state = TaskState(TaskFacts("t", ["s0", "s1", "s2"], 3, T0 + 100, "tests", "g", "v1", max_retries=1))
+    state.add(traj("s0")), state.add(ev("s0", 1.0))
+    state.add(traj("s1", status="error", failure="infrastructure"))
+    state.add(traj("s1-retry1", status="error", failure="infrastructure"))
+    state.add(traj("s2", status="error", failure="unknown"))
+    assert decide_at(state, T0) is State.EMITTED
+    group = build_group(state, default_evaluator="x", estimator="grpo", eps=0.0, min_usable=0.5)
+    assert group.usable == 1 and group.insufficient
+    assert [s.advantage for s in group.samples[1:]] == [None, None]
 
 
 @pytest.mark.parametrize("document", [
@@ -128,7 +160,7 @@ def test_bad_evaluation_documents_are_refused() -> None:
 
 
 def test_the_groups_version_range_spans_its_samples_trajectories() -> None:
-    """Issue 14: a group carries the oldest and newest weight version of its samples' trajectories (a failed
+    """a group carries the oldest and newest weight version of its samples' trajectories (a failed
     sample's too, and facts stored before trajectories carried ranges count as none)."""
     state = task_state(4)
     ranges = [{"oldest": 3, "newest": 4}, {"oldest": 2, "newest": 2}, None, {"oldest": 5, "newest": 6}]
@@ -138,7 +170,7 @@ def test_the_groups_version_range_spans_its_samples_trajectories() -> None:
                                 "failure": None if i != 3 else "policy", "policy_versions": versions})
         state.add(fact)
         state.add(ev(f"s{i}", float(i % 2)))
-    del state.trajectories["s2"]["policy_versions"]  # as a fact stored by the worker before issue 14
+    del state.trajectories["s2"]["policy_versions"]  # as a fact stored by the worker before policy versions were recorded
     state = TaskState.loads(state.dumps())
     group = build_group(state, default_evaluator="x", estimator="grpo", eps=1e-6)
     assert group.policy_versions is not None

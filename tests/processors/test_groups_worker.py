@@ -111,7 +111,7 @@ async def test_groups_worker_end_to_end(kafka: KafkaSettings, tmp_path: Path) ->
             assert [s.advantage for s in group_a.samples] == pytest.approx([0.866025, -0.866025, -0.866025,
                                                                              0.866025], abs=1e-5)
             assert all(s.trajectory_id for s in group_a.samples) and group_a.baseline_mean == 0.5
-            # Issue 14: the range over its samples' trajectories (s3's has none).
+            # the range over its samples' trajectories (s3's has none).
             assert group_a.policy_versions == PolicyRange(oldest=2, newest=4)
 
             group_b = groups["task-b"]

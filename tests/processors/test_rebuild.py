@@ -14,7 +14,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from processors.builders import SessionFacts, build_trajectory
-from processors.rebuild import RebuildRequest, rebuild
+from processors.trajectories.rebuild import RebuildRequest, rebuild
 from schemas.codec import decode_event
 from schemas.trajectories import Trajectory
 from schemas.transport import EventProducer

@@ -30,7 +30,7 @@ from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport import EventProducer
-from tests.processors.test_worker import expected, same
+from tests.processors.worker_process import expected, same
 from tests.processors.worker_process import SessionPlan, WorkerProcess, by_session, read_events
 
 SESSIONS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"

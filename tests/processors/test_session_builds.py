@@ -1,4 +1,4 @@
-"""Session builds (processors.session_builds) and build processes (processors.build_processes).
+"""Session builds (processors.trajectories.session_builds) and build processes (processors.trajectories.build_processes).
 
 The build validates every stored record, resolves prompt deltas and runs the builder; what it cannot use
 comes back as rejected calls with the dead letter's error type, and the trajectory names them. Real build
@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from processors.builders import SessionFacts
-from processors.open_sessions import CallRef
-from processors.build_processes import PooledBuilds
-from processors.session_builds import BuildJob, BuildResult, InlineBuilds, build_session
+from processors.trajectories.open_sessions import CallRef
+from processors.trajectories.build_processes import PooledBuilds
+from processors.trajectories.session_builds import BuildJob, BuildResult, InlineBuilds, build_session
 from schemas.codec import decode_event, encode_event
 from schemas.prompt_chain import is_delta, write_session
 from schemas.topics import Topic, TopicRegistry
 from schemas.trajectories import Trajectory
-from tests.processors.test_worker import expected
+from tests.processors.worker_process import expected
 from tests.processors.worker_process import SessionPlan, linear_session
 
 REGISTRY = TopicRegistry("u.", 4, 2)

@@ -1,4 +1,4 @@
-"""A worker's RocksDB state lives under the Kafka cluster's id (processors/state.py)."""
+"""A worker's RocksDB state lives under the Kafka cluster's id (processors/worker/state.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from processors.state import cluster_state_dir
+from processors.worker.state import cluster_state_dir
 
 
 async def test_state_dir_is_keyed_by_the_cluster_id(kafka_bootstrap: str, tmp_path: Path) -> None:

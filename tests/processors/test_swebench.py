@@ -1,4 +1,4 @@
-"""The `swebench` evaluator (issue 15) on real containers of the example task images.
+"""The `swebench` evaluator on real containers of the example task images.
 
 Each grading starts a fresh container of the instance's image (built by `rollwire images build`, i.e.
 deploy.images, when missing), applies the session's patch there, then the hidden test patch, runs the

@@ -1,6 +1,6 @@
 """Two trajectory workers in one consumer group, the partitions shared, a rebalance in the middle of the stream.
 
-Issue 16 item 3. Real broker, real worker processes (``python -m deploy.cli processors``), one app id (one
+Real broker, real worker processes (``python -m deploy.cli processors``), one app id (one
 consumer group, one set of changelogs). Sessions stream in waves; a second worker joins while they flow
 (the partitions are split between the two), later the first is stopped (its partitions move to the
 second), and the stream goes on. Then:
@@ -16,7 +16,7 @@ second), and the stream goes on. Then:
 - both workers did work: the partitions were shared, then moved.
 
 Around a rebalance Faust's stream skips records (flow-control queues cleared on resume, the fetch position
-already past them) and hands others out twice; before processors.continuity read the skipped ones back
+already past them) and hands others out twice; before processors.trajectories.continuity read the skipped ones back
 from the log, about half of the runs built a session without some of its calls.
 
 The completions are written as the proxy writes them: each continuing call a prompt delta on its parent
@@ -35,7 +35,7 @@ from schemas.prompt_chain import is_delta, write_session
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings
-from tests.processors.test_worker import expected, same
+from tests.processors.worker_process import expected, same
 from tests.processors.worker_process import SessionPlan, WorkerProcess, linear_session
 
 pytestmark = pytest.mark.kafka
@@ -91,7 +91,7 @@ def _content(trajectory: Trajectory) -> dict:
     return trajectory.model_dump(mode="json", exclude={"emitted_at", "source"})
 
 
-# The agent flushes its table writes every ``batch_records`` records (processors.app flush) as well as on
+# The agent flushes its table writes every ``batch_records`` records (processors.trajectories.app flush) as well as on
 # its timer; at 5 the agent's own flushes run across the join and the stop, not only the timer's.
 @pytest.mark.parametrize("batch_records", ["1000", "5"])
 async def test_two_workers_with_a_rebalance_mid_stream(kafka, tmp_path, batch_records: str) -> None:

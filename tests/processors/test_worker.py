@@ -14,26 +14,17 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from processors.builders import SessionFacts, build_trajectory
-from processors.rebuild import RebuildRequest, rebuild
-from processors.topics import prepare_topics
+from processors.trajectories.rebuild import RebuildRequest, rebuild
+from processors.trajectories.topics import prepare_topics
 from schemas.dead_letter import DeadLetter
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings, topic_spec
 from schemas.transport.admin import delete_topics
-from tests.processors.worker_process import SessionPlan, WorkerProcess, by_session, linear_session, read_events
+from tests.processors.worker_process import (
+    WorkerProcess, by_session, expected, linear_session, read_events, same)
 
 pytestmark = pytest.mark.kafka
-
-
-def expected(plan: SessionPlan, *, partial: bool = False) -> Trajectory:
-    end = None if partial else plan.end
-    facts = SessionFacts(session_id=plan.session_id, task_id=plan.spec.task_id,
-                         policy_version=plan.spec.policy_version, status=end.status if end else None,
-                         failure=end.failure if end else None, partial=partial,
-                         ended_at=end.occurred_at if end else None)
-    return build_trajectory(plan.spec.builder, plan.completions, facts)
 
 
 async def _read_rebuilt(kafka: KafkaSettings, topic: str, until: int) -> dict[str, Trajectory]:
@@ -48,15 +39,6 @@ async def _read_rebuilt(kafka: KafkaSettings, topic: str, until: int) -> dict[st
             if len(out) >= until:
                 break
     return out
-
-
-def same(got: Trajectory, want: Trajectory) -> None:
-    assert got.event_id == want.event_id
-    assert got.builder == want.builder and got.partial == want.partial
-    assert got.session_status == want.session_status and got.task_id == want.task_id
-    assert [t.model_dump(mode="json") for t in got.traces] == [t.model_dump(mode="json") for t in want.traces]
-    assert got.stats == want.stats
-    assert got.policy_versions == want.policy_versions and got.policy_version == want.policy_version
 
 
 async def test_sessions_become_one_trajectory_each(kafka, tmp_path) -> None:
@@ -90,7 +72,7 @@ async def test_sessions_become_one_trajectory_each(kafka, tmp_path) -> None:
         for plan in plans:
             assert len(grouped[plan.session_id]) == 1
             same(grouped[plan.session_id][0], expected(plan))
-        # Issue 14: versions 2, 2, 3 (and on some, a last call straddling 3 -> 4) give the range.
+        # versions 2, 2, 3 (and on some, a last call straddling 3 -> 4) give the range.
         ranges = {p.session_id: grouped[p.session_id][0].policy_versions for p in plans}
         assert ranges["s0"] is not None and (ranges["s0"].oldest, ranges["s0"].newest) == (2, 4)
         assert ranges["s2"] is not None and (ranges["s2"].oldest, ranges["s2"].newest) == (2, 3)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from processors.builders import SessionFacts, build_trajectory
 from schemas.completions import Completion
 from schemas.envelope import Event
 from schemas.sessions import SessionEnded, SessionSpec, SessionStatus
@@ -162,3 +163,21 @@ def by_session(trajectories: Sequence[Event]) -> dict[str, list[Trajectory]]:
         assert isinstance(event, Trajectory)
         grouped.setdefault(event.session_id, []).append(event)
     return grouped
+
+
+def expected(plan: SessionPlan, *, partial: bool = False) -> Trajectory:
+    end = None if partial else plan.end
+    facts = SessionFacts(session_id=plan.session_id, task_id=plan.spec.task_id,
+                         policy_version=plan.spec.policy_version, status=end.status if end else None,
+                         failure=end.failure if end else None, partial=partial,
+                         ended_at=end.occurred_at if end else None)
+    return build_trajectory(plan.spec.builder, plan.completions, facts)
+
+
+def same(got: Trajectory, want: Trajectory) -> None:
+    assert got.event_id == want.event_id
+    assert got.builder == want.builder and got.partial == want.partial
+    assert got.session_status == want.session_status and got.task_id == want.task_id
+    assert [t.model_dump(mode="json") for t in got.traces] == [t.model_dump(mode="json") for t in want.traces]
+    assert got.stats == want.stats
+    assert got.policy_versions == want.policy_versions and got.policy_version == want.policy_version

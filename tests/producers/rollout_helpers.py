@@ -23,8 +23,9 @@ from tests.servers import serve
 
 
 def task_body(task_id: str, *, samples: int = 2, **extra: Any) -> dict[str, Any]:
+    # max_retries 0: these tests follow the sessions they end by hand; no gateway node runs resubmissions.
     body: dict[str, Any] = {"task_id": task_id, "instruction": "Fix the bug so the tests pass.",
-                            "num_samples": samples, "agent": {"harness": "qwen-code"}}
+                            "num_samples": samples, "agent": {"harness": "qwen-code"}, "max_retries": 0}
     body.update(extra)
     return body
 

@@ -1,4 +1,4 @@
-"""No session container outlives its session on a real Docker engine, whatever ends it (issue 15).
+"""No session container outlives its session on a real Docker engine, whatever ends it.
 
 A real gateway node (``python -m producers.gateway.cli``) runs a session in the docker runtime (a SWE-style
 task image, its /testbed as the workspace, the ``command`` harness sleeping) and is SIGKILLed: Docker keeps
@@ -34,7 +34,7 @@ from schemas.sessions import FailureKind, SessionSpec, SessionStage, SessionStat
 from schemas.tasks import AgentSpec, RuntimeSpec
 from schemas.transport import KafkaSettings
 from tests.harnesses.common import serve_standin_proxy
-from tests.producers.test_gateway import STAGES, Lifecycle, node_settings, publish, start_node, stop
+from tests.producers.gateway_nodes import STAGES, Lifecycle, node_settings, publish, start_node, stop
 from tests.proxy.conftest import ProxyUnderTest
 
 pytestmark = [pytest.mark.kafka, pytest.mark.docker]

@@ -189,6 +189,7 @@ async def test_a_command_runs_in_a_container_with_the_spec_limits(runtime: Docke
         hog = await handle.run(["python3", "-c", "x = bytearray(200 << 20); x[::4096] = b'1' * len(x[::4096])"],
                                env={}, timeout_s=60)
         assert hog.exit_code == 137, f"200 MiB in a 64 MiB container was not killed: {hog}"
+        assert hog.oom_killed is True, f"the engine's oom event was not read: {hog}"
     finally:
         await handle.teardown()
     assert session_containers(client, "s-limits") == [] and not handle.host_root.exists()

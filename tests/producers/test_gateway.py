@@ -16,7 +16,7 @@ import subprocess
 import sys
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,27 +28,22 @@ from aiokafka.partitioner import murmur2
 
 from producers.gateway.control import create_app as create_control_app
 from producers.gateway.ledger import GroupMembers
-from producers.gateway.node import GatewayNode
 from producers.gateway.settings import GatewaySettings
-from producers.runtimes.local import LocalRuntime
 from schemas.dead_letter import DeadLetter
 from schemas.sessions import (
     FailureKind,
     SessionEnded,
     SessionSpec,
     SessionStage,
-    SessionStageChanged,
     SessionStatus,
 )
 from schemas.tasks import AgentSpec, RuntimeSpec
 from schemas.topics import Topic
-from schemas.transport import EventConsumer, EventProducer, KafkaSettings
+from schemas.transport import EventConsumer, KafkaSettings
 from tests.harnesses.common import serve_standin_proxy
+from tests.producers.gateway_nodes import (
+    STAGES, Lifecycle, node_settings, publish, running_node, start_node, stop)
 from tests.proxy.conftest import ProxyUnderTest
-
-ROOT = Path(__file__).resolve().parents[2]
-STAGES = [s.value for s in (SessionStage.QUEUED, SessionStage.INIT, SessionStage.READY, SessionStage.RUNNING,
-                            SessionStage.POST_RUN, SessionStage.TEARDOWN)]
 
 # The harness: CALLS chat completions on the session (answers appended to answer.txt in the workspace),
 # PAUSE seconds after each, then exit CODE; on a normal end it appends the session id to LOG (outside the
@@ -100,83 +95,6 @@ def session_spec(harness: Path, *, calls: int = 2, pause: float = 0.0, code: int
 def completed_runs(harness: Path) -> list[str]:
     log = harness.parent / "completed.log"
     return log.read_text().split() if log.exists() else []
-
-
-async def publish(kafka: KafkaSettings, *specs: SessionSpec) -> None:
-    async with EventProducer(kafka, service="test") as producer:
-        await producer.send_many(list(specs))
-
-
-class Lifecycle:
-    """The session-events topic, read from the beginning in the background, per session."""
-
-    def __init__(self, kafka: KafkaSettings) -> None:
-        self.kafka = kafka
-        self.events: dict[str, list[SessionStageChanged | SessionEnded]] = defaultdict(list)
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Lifecycle:
-        consumer = EventConsumer(self.kafka, [Topic.SESSION_EVENTS], group_id=None, dead_letters=False)
-        await consumer.start()
-
-        async def follow() -> None:
-            try:
-                while True:
-                    for received in await consumer.getmany(timeout_ms=100):
-                        event = received.event
-                        assert isinstance(event, (SessionStageChanged, SessionEnded))
-                        self.events[event.session_id].append(event)
-            finally:
-                await consumer.stop()
-
-        self._task = asyncio.create_task(follow())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-    def ends(self, session_id: str) -> list[SessionEnded]:
-        return [e for e in self.events[session_id] if isinstance(e, SessionEnded)]
-
-    def stages(self, session_id: str) -> list[SessionStageChanged]:
-        return [e for e in self.events[session_id] if isinstance(e, SessionStageChanged)]
-
-    async def wait(self, check: Any, timeout_s: float = 60, what: str = "events") -> None:
-        async def loop() -> None:
-            while not check():
-                await asyncio.sleep(0.1)
-        try:
-            await asyncio.wait_for(loop(), timeout_s)
-        except TimeoutError:
-            raise AssertionError(f"timed out waiting for {what}: {dict(self.events)}") from None
-
-    async def ended(self, *session_ids: str, timeout_s: float = 60) -> dict[str, SessionEnded]:
-        await self.wait(lambda: all(self.ends(s) for s in session_ids), timeout_s, "session ends")
-        await asyncio.sleep(0.5)  # a second end, if there were one, would show up now
-        return {s: self.ends(s)[0] for s in session_ids}
-
-
-def node_settings(proxy: ProxyUnderTest, **overrides: Any) -> GatewaySettings:
-    values: dict[str, Any] = dict(proxy_url=proxy.url, port=0, run_slots=2, prewarm=1, init_workers=2,
-                                  recheck_s=0.5, node_name=f"node-{uuid.uuid4().hex[:6]}")
-    values.update(overrides)
-    return GatewaySettings(**values)
-
-
-@contextlib.asynccontextmanager
-async def running_node(settings: GatewaySettings, kafka: KafkaSettings, root: Path) -> AsyncIterator[GatewayNode]:
-    """A node in this process (local runtime under ``root``); drained at the end of the block."""
-    node = GatewayNode(settings, kafka, runtime_for=lambda kind: LocalRuntime(root=root))
-    task = asyncio.create_task(node.run())
-    await asyncio.wait_for(node.started.wait(), 30)
-    try:
-        yield node
-    finally:
-        node.stop_now()
-        await asyncio.wait_for(task, 60)
 
 
 def assert_ran_through_every_stage(lifecycle: Lifecycle, session_id: str, node: str) -> None:
@@ -319,18 +237,6 @@ async def test_cancel_running_and_queued_sessions(kafka: KafkaSettings, proxy: P
 
 # -- nodes as processes -----------------------------------------------------------------------------------
 
-def start_node(kafka: KafkaSettings, proxy: ProxyUnderTest, root: Path, name: str, **settings: Any) -> subprocess.Popen:
-    env = {**os.environ, "ROLLWIRE_KAFKA_BOOTSTRAP": kafka.kafka_bootstrap, "ROLLWIRE_TOPIC_PREFIX": kafka.topic_prefix,
-           "ROLLWIRE_SESSION_PARTITIONS": str(kafka.session_partitions),
-           "ROLLWIRE_TASK_PARTITIONS": str(kafka.task_partitions), "ROLLWIRE_RUNTIME_ROOT": str(root),
-           "ROLLWIRE_GATEWAY_PROXY_URL": proxy.url, "ROLLWIRE_GATEWAY_NODE_NAME": name,
-           "ROLLWIRE_GATEWAY_PORT": "0", "ROLLWIRE_GATEWAY_RECHECK_S": "0.5"}
-    env.update({f"ROLLWIRE_GATEWAY_{k.upper()}": str(v) for k, v in settings.items()})
-    log = open(root.parent / f"{name}.log", "w")  # noqa: SIM115 - the process owns it
-    return subprocess.Popen([sys.executable, "-m", "producers.gateway.cli"], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-
-
 async def wait_for_members(kafka: KafkaSettings, names: set[str], timeout_s: float = 60) -> None:
     members = GroupMembers(kafka, GatewaySettings(node_name="x").group(kafka.topic_prefix))
     try:
@@ -354,12 +260,6 @@ def ids_on_every_partition(kafka: KafkaSettings, per_partition: int) -> list[str
         if len(buckets[partition]) < per_partition:
             buckets[partition].append(session_id)
     return [s for p in range(kafka.session_partitions) for s in buckets[p]]
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait(timeout=30)
 
 
 async def test_sigterm_drains_the_running_session_and_takes_no_new_one(kafka: KafkaSettings, proxy: ProxyUnderTest,
@@ -402,7 +302,7 @@ async def test_sigterm_drains_the_running_session_and_takes_no_new_one(kafka: Ka
 
 async def test_two_nodes_one_killed_every_session_still_ends_once(kafka: KafkaSettings, proxy: ProxyUnderTest,
                                                                  harness: Path, tmp_path: Path) -> None:
-    """Must show (issue 6): two nodes share the sessions; one is SIGKILLed while it runs a session. The other
+    """Must show: two nodes share the sessions; one is SIGKILLed while it runs a session. The other
     takes its partitions over: every session ends exactly once, completed or as an infrastructure failure
     (those the dead node had started its harness for), and no harness run goes to completion twice."""
     root = tmp_path / "sessions"

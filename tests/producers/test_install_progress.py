@@ -251,7 +251,10 @@ for line in open({sample!r}).read().splitlines()[1:]:
     stream.flush()
 if {code} == 0:
     os.makedirs(os.path.join(prefix, "node_modules", ".bin"), exist_ok=True)
-    open(os.path.join(prefix, "node_modules", ".bin", "codex"), "w").close()
+    binary = os.path.join(prefix, "node_modules", ".bin", "codex")
+    with open(binary, "w") as out:
+        out.write("#!/bin/sh\\necho codex-cli 0.169.0\\n")
+    os.chmod(binary, 0o755)
 sys.exit({code})
 """
 
@@ -273,7 +276,8 @@ def test_harness_install_reports_npm_progress(tmp_path: Path, monkeypatch: pytes
     texts = [parse(line)["text"] for line in lines]
     assert all(parse(line)["label"] == "npm codex 0.169.0" for line in lines)
     assert texts[0] == f"installing @openai/codex@0.169.0 into {tmp_path / 'cache' / 'codex-0.169.0'}"
-    assert texts[-3:] == ["resolving dependencies", "downloading and unpacking packages", "added 2 packages in 7s"]
+    assert texts[-4:] == ["resolving dependencies", "downloading and unpacking packages", "added 2 packages in 7s",
+                          "checked: codex --version says codex-cli 0.169.0"]
     lines.clear()
     assert ensure_harness("codex", cache=tmp_path / "cache", progress=lines.append) == binary
     assert lines == []  # installed: nothing to report

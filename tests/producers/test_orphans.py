@@ -90,7 +90,7 @@ async def test_harness_dies_with_a_killed_gateway_node(kafka: KafkaSettings, tmp
     """A real gateway node runs a session whose harness leaves a background child; the node is SIGKILLed
     mid-run; the harness and its child are gone shortly after (before, both ran on as orphans)."""
     from tests.harnesses.common import serve_standin_proxy
-    from tests.producers.test_gateway import Lifecycle, publish, start_node, stop
+    from tests.producers.gateway_nodes import Lifecycle, publish, start_node, stop
 
     root = tmp_path / "sessions"
     root.mkdir()

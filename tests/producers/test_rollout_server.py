@@ -56,7 +56,7 @@ async def test_bad_requests_are_refused_with_the_field(kafka: KafkaSettings, tmp
             (task_body("bad/id"), ["body", "task_id"]),
             (task_body("t8", callback_url="ftp://example.invalid/x"), ["body", "callback_url"]),
             (task_body("t9", runtime={"kind": "docker"}), ["body", "runtime"]),
-            # Issue 14: a policy version floor written like a version that is none.
+            # a policy version floor written like a version that is none.
             *[(task_body(f"t10-{i}", policy_version=bad), ["body", "policy_version"])
               for i, bad in enumerate(BAD_FLOORS[:3])],
         ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
 from proxy.settings import ProxySettings
 from schemas.completions import Completion

@@ -615,7 +615,7 @@ _UNKNOWN_ROUTES: dict[ApiName, tuple[tuple[str, bool], ...]] = {
                          ("/v1/responses/input_tokens", False), ("/v1/responsesX", False), ("/v1/responses/", False)),
     "anthropic.messages": (("/v1/messages/batches", False), ("/v1/messages/count_token", False),
                            ("/v1/messages/msg_1", False), ("/v1/messages/", False)),
-    # (GET /v1/models, /v1beta/models[/MODEL] and POST :countTokens are served: proxy/model_catalog.py)
+    # (GET /v1/models, /v1beta/models[/MODEL] and POST :countTokens are served: proxy/apis/model_catalog.py)
     "gemini": (("/v1beta/corpora", False), ("/v1beta/files", False), ("/v1beta/cachedContents", False),
                ("/v1beta/models/gemini-2.5-flash:predict", True),
                ("/v1beta/models/gemini-2.5-flash:embedContent", True),

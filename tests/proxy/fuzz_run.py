@@ -659,7 +659,7 @@ def _kafka_broker() -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.standin_engine import StandinConfig, create_app as create_standin
+    from tests.support.standin_engine import StandinConfig, create_app as create_standin
     from proxy.app import create_app
     from proxy.settings import ProxySettings
     from schemas.transport.admin import delete_topics, ensure_topics

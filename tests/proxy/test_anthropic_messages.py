@@ -10,10 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.standin_engine import render_prompt, tokenize
-from proxy.anthropic_messages import MessagesApi, MessagesRenderer, error_body, parse_request
-from proxy.reasoning import encode_reasoning
-from proxy.engine import EngineTurn, engine_body
+from tests.support.standin_engine import render_prompt, tokenize
+from proxy.apis.anthropic_messages import MessagesApi, MessagesRenderer, error_body, parse_request
+from proxy.apis.reasoning import encode_reasoning
+from proxy.engine import engine_body
+from proxy.turns import EngineTurn
 from proxy.errors import (
     BadRequest,
     CaptureFailed,
@@ -24,7 +25,7 @@ from proxy.errors import (
     ProxyError,
     UnknownSession,
 )
-from proxy.providers import Route
+from proxy.apis.base import Route
 from schemas.completions import Usage
 from tests.proxy.conftest import ProxyUnderTest
 
@@ -384,7 +385,7 @@ def test_thinking_is_rendered_with_a_signature_that_round_trips(display: str | N
 
 
 def test_tool_calls_stream_as_blocks_in_order() -> None:
-    from proxy.engine import EngineDelta, ToolCallDelta
+    from proxy.turns import EngineDelta, ToolCallDelta
 
     renderer = MessagesRenderer(parse_request(body(stream=True), need_max_tokens=True))
     chunks = renderer.stream_delta(EngineDelta(prompt_token_ids=[1, 2]))
@@ -403,6 +404,25 @@ def test_tool_calls_stream_as_blocks_in_order() -> None:
     closing = [name for name, _ in events_of(b"".join(chunks[held:]).decode())]
     assert closing == ["content_block_stop", "message_delta", "message_stop"]
     assert frames[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize(("fields", "reason", "sequence"), [
+    ({"stop_reason": "END"}, "stop_sequence", "END"),  # vLLM names the stop string it stopped on
+    ({"stop_reason": None}, "end_turn", None),  # the tokenizer's end of sequence
+    ({"stop_reason": 151643}, "end_turn", None),  # another end id: a token, not a stop sequence
+    ({"stop_reason": "END", "finish_reason": "length"}, "max_tokens", None),
+    ({"stop_reason": "END", "finish_reason": "tool_calls"}, "tool_use", None),
+])
+def test_a_stop_string_is_the_stop_sequence_whole_and_streamed(fields: dict[str, Any], reason: str,
+                                                                sequence: str | None) -> None:
+    turn = _turn(content="done. ", **fields)
+    whole = MessagesRenderer(parse_request(body(stop_sequences=["END"]), need_max_tokens=True)).response(turn)
+    assert (whole["stop_reason"], whole["stop_sequence"]) == (reason, sequence)
+    renderer = MessagesRenderer(parse_request(body(stop_sequences=["END"], stream=True), need_max_tokens=True))
+    frames = events_of(b"".join(renderer.stream_whole(turn)).decode())
+    assert_grammar(frames)
+    [delta] = [data["delta"] for name, data in frames if name == "message_delta"]
+    assert (delta["stop_reason"], delta["stop_sequence"]) == (reason, sequence)
 
 
 @pytest.mark.parametrize("error, status, kind", [

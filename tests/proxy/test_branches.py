@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from proxy.branches import MAX_BRANCHES, BranchStore
-from proxy.equivalence import same_arguments, same_message
+from proxy.continuation.branches import MAX_BRANCHES, BranchStore
+from proxy.continuation.equivalence import same_arguments, same_message
 from schemas.completions import ChatMessage, NormalizedRequest, SamplingParams, ToolCall, ToolDefinition
 from schemas.prompt_chain import ChainLink
 

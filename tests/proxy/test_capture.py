@@ -106,7 +106,7 @@ async def test_sessions_registered_on_kafka_are_served(proxy: ProxyUnderTest) ->
 
 
 async def test_client_hanging_up_mid_stream_is_recorded(kafka: KafkaSettings, standin_url: str) -> None:
-    from bench.standin_engine import StandinConfig, create_app as create_standin
+    from tests.support.standin_engine import StandinConfig, create_app as create_standin
 
     slow = create_standin(StandinConfig(latency_ms=1, reply_tokens=40, token_interval_ms=50))
     with serve(slow) as slow_url, serve(create_app(proxy_settings(slow_url), kafka)) as url:

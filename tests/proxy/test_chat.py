@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from bench.standin_engine import render_prompt, tokenize
+from tests.support.standin_engine import render_prompt, tokenize
 from proxy.engine import engine_body
 from tests.proxy.conftest import ProxyUnderTest, auth
 

@@ -20,7 +20,7 @@ import pytest
 from producers.harness_install import HARNESSES
 from proxy.engine import engine_body
 from proxy.errors import BadRequest
-from proxy.openai_chat import ChatRenderer, normalize, parse_request
+from proxy.apis.openai_chat import ChatRenderer, normalize, parse_request
 from schemas.completions import ContentPart, NormalizedRequest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harnesses"

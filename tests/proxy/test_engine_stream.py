@@ -1,4 +1,4 @@
-"""The engine stream's reader (issue 17): SSE lines split across socket reads come out whole, a read's
+"""The engine stream's reader: SSE lines split across socket reads come out whole, a read's
 chunks come out as one batch, and a broken chunk stops the batch after the good ones before it.
 
 The stream is vLLM's own, recorded (``tests/fixtures/vllm/chat_stream.json``), so a reader that drops,
@@ -10,8 +10,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from bench.standin_text import load_fixture
-from proxy.engine import EngineDelta, SseLines, TurnAssembler, _deltas
+from tests.support.standin_text import load_fixture
+from proxy.engine import SseLines, _deltas
+from proxy.turns import EngineDelta, TurnAssembler
 from proxy.errors import EngineFailed
 
 RECORDED = load_fixture("chat_stream.json")

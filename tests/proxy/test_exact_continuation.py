@@ -170,7 +170,7 @@ async def test_parallel_tool_calls_and_a_compaction(proxy: ProxyUnderTest) -> No
     assert extends(second, first) and second.continuation.mode == "exact"
     assert second.continuation.drift.differs is False  # canonical arguments: a re-render agrees here
     assert compacted.continuation.mode == "rendered" and compacted.continuation.opened == "history_differs"
-    assert (first.continuation.branch, second.continuation.branch, compacted.continuation.branch) == ("b0", "b0", "b1")
+    assert (first.continuation.branch, second.continuation.branch, compacted.continuation.branch) == ("b0", "b0", "b2")  # named after the call that opened it
 
 
 async def test_retry_of_the_same_request_reuses_the_prompt(proxy: ProxyUnderTest) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
 from schemas.completions import Completion
 from schemas.transport import KafkaSettings
@@ -65,7 +65,7 @@ async def test_chat_session_continues_exactly_streamed_and_whole(exact_proxy: Pr
     # A new branch is served by the chat endpoint (streamed as sampled); continuations by generate, which
     # reports the weight versions.
     assert first.weight_versions is None
-    assert second.weight_versions and second.weight_versions[0]["version"] == "default"
+    assert second.weight_versions and second.weight_versions[0]["version"] == "0"  # vLLM's initial "default" is version 0
 
 
 def _anthropic(session: dict, history: list[dict]) -> tuple[str, list[dict]]:

@@ -15,7 +15,7 @@ import os
 import httpx
 import pytest
 
-from bench.standin_engine import FAIL_MODES
+from tests.support.standin_engine import FAIL_MODES
 from tests.proxy.conftest import ProxyUnderTest
 from tests.proxy.fuzz_requests import (
     ApiName,

@@ -8,14 +8,15 @@ import json
 import httpx
 import pytest
 
-from bench.standin_engine import render_prompt, tokenize
-from proxy.engine import EngineTurn, engine_body
+from tests.support.standin_engine import render_prompt, tokenize
+from proxy.engine import engine_body
+from proxy.turns import EngineTurn
 from proxy import errors
-from proxy.engine import EngineDelta
+from proxy.turns import EngineDelta
 from proxy.errors import BadRequest
-from proxy.gemini import GeminiApi, GeminiRenderer, error_body, json_schema
-from proxy.reasoning import decode_reasoning, encode_reasoning
-from proxy.providers import Route
+from proxy.apis.gemini import GeminiApi, GeminiRenderer, error_body, json_schema
+from proxy.apis.reasoning import decode_reasoning, encode_reasoning
+from proxy.apis.base import Route
 from schemas.completions import ToolCall, Usage
 from tests.proxy.conftest import ProxyUnderTest
 

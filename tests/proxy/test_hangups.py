@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
 from schemas.transport import KafkaSettings
 from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings

@@ -124,7 +124,7 @@ async def test_fault4_event_over_the_record_limit_is_slimmed_not_lost(kafka: Kaf
     recorded whole leaves a slimmed failed-call event (request dropped, the engine's tokens kept) and the
     producer is kept. Served by the engine, the harness gets a 413; refused by it (context overflow), the
     engine's own error."""
-    from bench.standin_engine import StandinConfig, create_app as create_standin
+    from tests.support.standin_engine import StandinConfig, create_app as create_standin
 
     limit = kafka.max_message_bytes * 2
     # 8 bytes a token and a long context: the request fits the stand-in, but not one Kafka record.

@@ -18,13 +18,13 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from proxy.anthropic_messages import MessagesApi, MessagesRenderer, parse_request as parse_messages
-from proxy.engine import EngineTurn
+from proxy.apis.anthropic_messages import MessagesApi, MessagesRenderer, parse_request as parse_messages
+from proxy.turns import EngineTurn
 from proxy.errors import BadRequest, ProxyError
-from proxy.gemini import GeminiApi, json_schema
-from proxy.openai_responses import ResponsesApi, custom_input
-from proxy.providers import Route
-from proxy.reasoning import CHECKSUM_BYTES, FORMAT_VERSION, ITEM_LIMIT, MAGIC, REQUEST_LIMIT, encode_reasoning
+from proxy.apis.gemini import GeminiApi, json_schema
+from proxy.apis.openai_responses import ResponsesApi, custom_input
+from proxy.apis.base import Route
+from proxy.apis.reasoning import CHECKSUM_BYTES, FORMAT_VERSION, ITEM_LIMIT, MAGIC, REQUEST_LIMIT, encode_reasoning
 from schemas.completions import ToolCall, Usage
 from tests.proxy.conftest import ProxyUnderTest
 

@@ -1,4 +1,4 @@
-"""The JSON depth limit at its boundary (issue 17 made its check faster): exactly the limit passes, one
+"""The JSON depth limit at its boundary: exactly the limit passes, one
 level more is refused and named, whatever the containers and wherever the deep part sits."""
 
 from __future__ import annotations

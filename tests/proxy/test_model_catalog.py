@@ -1,4 +1,4 @@
-"""What SDKs ask about models besides calling one (proxy/model_catalog.py): OpenAI's and Anthropic's
+"""What SDKs ask about models besides calling one (proxy/apis/model_catalog.py): OpenAI's and Anthropic's
 ``GET /v1/models`` on the path they share, Gemini's model resource and ``countTokens``. Each answers in
 its provider's shape, needs the session's key, and leaves no completion event."""
 

@@ -11,18 +11,19 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.standin_engine import render_prompt, tokenize
-from proxy.engine import EngineDelta, EngineTurn, ToolCallDelta, engine_body
+from tests.support.standin_engine import render_prompt, tokenize
+from proxy.engine import engine_body
+from proxy.turns import EngineDelta, EngineTurn, ToolCallDelta
 from proxy.errors import BadRequest
-from proxy.openai_responses import (
+from proxy.apis.openai_responses import (
     ResponsesApi,
     ResponsesRenderer,
     custom_arguments,
     normalize,
     parse_request,
 )
-from proxy.providers import Route
-from proxy.reasoning import decode_reasoning, encode_reasoning
+from proxy.apis.base import Route
+from proxy.apis.reasoning import decode_reasoning, encode_reasoning
 from schemas.completions import ToolCall, Usage
 from tests.proxy.conftest import ProxyUnderTest
 

@@ -16,9 +16,9 @@ import httpx
 import orjson
 import pytest
 
-import proxy.branches
+import proxy.continuation.branches
 import proxy.calls
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
 from schemas.codec import encode_event
 from schemas.completions import Completion
@@ -190,7 +190,7 @@ async def test_failed_calls_are_keyframes_and_never_parents(kafka: KafkaSettings
 
 async def test_an_evicted_branch_continues_with_a_keyframe(delta_proxy: ProxyUnderTest,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy.branches, "MAX_BRANCHES", 1)
+    monkeypatch.setattr(proxy.continuation.branches, "MAX_BRANCHES", 1)
     session = delta_proxy.new_session(engine={"max_tokens": 12})
     history = converse(session, 2)
     ask(session, [{"role": "user", "content": "a title for this chat"}], tools=None)  # a side call: evicts main
@@ -207,7 +207,7 @@ def test_a_slimmed_delta_keeps_its_tokens_and_takes_no_request_from_its_parent()
     from proxy.capture import slimmed
     from proxy.errors import UnrecordableEvent
     from schemas.prompt_chain import write_session
-    from tests.schemas.test_prompt_chain import generated_session
+    from tests.support.generated_sessions import generated_session
 
     full = generated_session(11, ["continue"])
     parent, child = write_session(full)

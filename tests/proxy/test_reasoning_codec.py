@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from proxy.errors import BadRequest
-from proxy.reasoning import (
+from proxy.apis.reasoning import (
     CHECKSUM_BYTES,
     FORMAT_VERSION,
     ITEM_LIMIT,

@@ -1,4 +1,4 @@
-"""The stream's response (issue 17): the closing chunk goes out with the end of the body, in one message,
+"""The stream's response: the closing chunk goes out with the end of the body, in one message,
 and what the stream does after it (the session's bookkeeping) still runs, after the client has it; a
 stream whose chunks are always ready still leaves the event loop to everything else."""
 

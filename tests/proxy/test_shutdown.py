@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
 from proxy.server import proxy_server
 from schemas.transport import KafkaSettings

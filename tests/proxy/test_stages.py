@@ -1,4 +1,4 @@
-"""The proxy's /metrics says where a call's time went: parse, upstream wait, relay, capture (issue 17).
+"""The proxy's /metrics says where a call's time went: parse, upstream wait, relay, capture.
 
 A stand-in with a known pace (50 ms to the first token, 16 tokens 5 ms apart) bounds the engine's stages
 from below, so that a stage measured in the wrong place (or not at all) shows; each served call is observed
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
 from proxy.stages import STAGES
 from schemas.transport import KafkaSettings

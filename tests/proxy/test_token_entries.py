@@ -1,4 +1,4 @@
-"""Sampled tokens' entries in each API's shape (proxy/token_entries.py), from what an engine may give:
+"""Sampled tokens' entries in each API's shape (proxy/apis/token_entries.py), from what an engine may give:
 the chat endpoint's named entries, the token endpoints' id-only ones, entries with no alternatives or bytes,
 and none at all (values only)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.errors import BadRequest
-from proxy.token_entries import average, checked_top_logprobs, gemini_logprobs, openai_entries, stream_entries
+from proxy.apis.token_entries import average, checked_top_logprobs, gemini_logprobs, openai_entries, stream_entries
 
 VALUES = [-1.0, -2.0, -0.5]
 NAMED = {"token": "c", "logprob": -0.5, "bytes": [99], "top_logprobs": [{"token": "c", "logprob": -0.5, "bytes": [99]},

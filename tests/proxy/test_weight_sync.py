@@ -1,7 +1,7 @@
 """Weight sync through the proxy against the stand-in engine (vLLM's recorded shapes, dev mode): the gate
 holds new calls during an update and drains running ones first, completions carry the version they were
 sampled under, versions only go up, one update at a time, the admin token, an engine failure, a session's
-policy floor, and the ``policy`` topic's event (issue 14, items 1-3)."""
+policy floor, and the ``policy`` topic's event."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.standin_engine import Standin, StandinConfig
+from tests.support.standin_engine import Standin, StandinConfig
 from proxy.app import create_app
 from schemas.completions import Completion
 from schemas.policy import WeightsUpdated
@@ -90,11 +90,13 @@ async def until(predicate: Any, timeout_s: float = 10.0) -> None:
 
 
 async def policy_events(kafka: KafkaSettings, want: int, timeout_s: float = 20.0) -> list[WeightsUpdated]:
+    """The pushes on the ``policy`` topic (the proxy tier's heartbeats and gates left out)."""
     got: list[WeightsUpdated] = []
     async with EventConsumer(kafka, [Topic.POLICY], group_id=None, dead_letters=False) as consumer:
         async def loop() -> None:
             while len(got) < want:
-                got.extend(r.event for r in await consumer.getmany(timeout_ms=300))
+                got.extend(r.event for r in await consumer.getmany(timeout_ms=300)
+                           if isinstance(r.event, WeightsUpdated))
         await asyncio.wait_for(loop(), timeout_s)
     return got
 
@@ -166,7 +168,7 @@ async def test_calls_in_flight_finish_first_on_the_old_version(kafka: KafkaSetti
         assert [e.policy_version for e in theirs] == ["0"] and theirs[0].weight_versions is None  # chat path
         assert [e.continuation.mode for e in mine if e.continuation] == ["rendered", "exact", "exact"]
         assert [e.policy_version for e in mine] == ["0", "0", "v1"]
-        assert mine[1].weight_versions == [{"version": "default", "start": 0, "end": len(mine[1].token_ids)}]
+        assert mine[1].weight_versions == [{"version": "0", "start": 0, "end": len(mine[1].token_ids)}]
         assert mine[2].weight_versions == [{"version": "v1", "start": 0, "end": len(mine[2].token_ids)}]
         [event] = await policy_events(kafka, 1)
         assert event.drained_calls == 2 and event.held_calls == 0
@@ -235,7 +237,7 @@ async def test_engine_failure_answers_502_reopens_the_gate_and_records_a_failed_
 
 async def test_standin_weight_endpoints_answer_as_recorded(tmp_path: Path) -> None:
     """The stand-in's weight endpoints give the recorded vLLM replies' shapes (tests/fixtures/vllm/weights_*)."""
-    from bench.standin_text import load_fixture
+    from tests.support.standin_text import load_fixture
 
     engine = Standin(StandinConfig(latency_ms=1, dev_mode=True, token_api=True))
     with serve(engine.app()) as url, httpx.Client(base_url=url, timeout=10) as client:

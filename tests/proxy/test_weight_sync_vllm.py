@@ -3,7 +3,7 @@ sets ``VLLM_SERVER_DEV_MODE=1``): a perturbed copy of the tiny model is pushed w
 /v1/policy/weights``; the call running then finishes on the old weights, a call made during the sync is
 held and served on the new ones, every later completion carries the new version, and the engine's
 logprobs are those the trainer side computes for the new checkpoint (transformers on CPU, run in the
-vLLM environment's Python, which has torch), not those of the old one (issue 14).
+vLLM environment's Python, which has torch), not those of the old one.
 
 The tiny model ties its output layer to the embeddings. vLLM 0.32's CPU build refreshes the output
 layer's pre-packed copy on a reload only when the checkpoint stores ``lm_head.weight`` (see
@@ -22,6 +22,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,33 +103,42 @@ def score(models: dict[str, str], calls: list[tuple[list[int], list[int]]]) -> d
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _restore(vllm_url: str, folder: str) -> None:
+def restore_engine(vllm_url: str, folder: Path) -> None:
     """Put the engine back as the run's other tests expect it: its own weights (``folder``: a copy that
     stores lm_head.weight, so that the CPU build's output layer is restored too), vLLM's initial version."""
     with httpx.Client(base_url=vllm_url, timeout=300) as engine:
         engine.post("/pause", params={"mode": "wait"}).raise_for_status()
         try:
             engine.post("/collective_rpc", json={"method": "reload_weights",
-                                                 "kwargs": {"weights_path": folder}}).raise_for_status()
+                                                 "kwargs": {"weights_path": str(folder)}}).raise_for_status()
             engine.post("/update_weight_version", json={"new_version": "default"}).raise_for_status()
             engine.post("/reset_prefix_cache").raise_for_status()
         finally:
             engine.post("/resume").raise_for_status()
 
 
-@pytest.fixture
-def synced_proxy(kafka: KafkaSettings, vllm_url: str, tmp_path: Path) -> Iterator[ProxyUnderTest]:
+@contextmanager
+def weights_pushing_proxy(kafka: KafkaSettings, vllm_url: str, tmp_path: Path,
+                          engine_timeout_s: float) -> Iterator[ProxyUnderTest]:
+    """A proxy over the shared engine that can push weights; the engine's own weights are put back after.
+    Skips when the engine was started without its weight endpoints."""
     with httpx.Client(base_url=vllm_url, timeout=30) as engine:
         if engine.get("/weight_info").status_code == 404:
             pytest.skip("the engine under test was started without VLLM_SERVER_DEV_MODE=1 (reused through "
                         "ROLLWIRE_TEST_ENGINE_URL?): restart it so that its weight endpoints exist")
         original = checkpoint(Path(_served_folder(engine)), tmp_path / "original", None)
     try:
-        with serve(create_app(proxy_settings(vllm_url, engine_timeout_s=120, weight_update_timeout_s=300),
-                              kafka)) as url:
+        with serve(create_app(proxy_settings(vllm_url, engine_timeout_s=engine_timeout_s,
+                                             weight_update_timeout_s=300), kafka)) as url:
             yield ProxyUnderTest(url, kafka)
     finally:
-        _restore(vllm_url, str(original))
+        restore_engine(vllm_url, original)
+
+
+@pytest.fixture
+def synced_proxy(kafka: KafkaSettings, vllm_url: str, tmp_path: Path) -> Iterator[ProxyUnderTest]:
+    with weights_pushing_proxy(kafka, vllm_url, tmp_path, engine_timeout_s=120) as proxy:
+        yield proxy
 
 
 async def _chat(session: dict, messages: list[dict], **body: Any) -> httpx.Response:
@@ -156,7 +166,7 @@ async def _paused_stream(session: dict, messages: list[dict], streaming: asyncio
 
 async def _policy_events(kafka: KafkaSettings) -> list[WeightsUpdated]:
     async with EventConsumer(kafka, [Topic.POLICY], group_id=None, dead_letters=False) as consumer:
-        return [r.event for r in await consumer.getmany(timeout_ms=3000)]
+        return [r.event for r in await consumer.getmany(timeout_ms=3000) if isinstance(r.event, WeightsUpdated)]
 
 
 def _calls(events: list[Completion]) -> list[tuple[list[int], list[int]]]:

@@ -1,4 +1,4 @@
-"""SWE-bench-style instances (issue 15): the instance model, reading a file, the TaskRequest, `submit --format`.
+"""SWE-bench-style instances: the instance model, reading a file, the TaskRequest, `submit --format`.
 
 FAIL_TO_PASS/PASS_TO_PASS must read the same from SWE-bench's JSON-encoded strings and from lists; the
 image must default to SWE-bench's own name and take any of its three spellings; a bad instance must be

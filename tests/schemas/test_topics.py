@@ -11,7 +11,7 @@ from schemas.topics import FRAMING_BYTES, MAX_MESSAGE_BYTES, KeyedBy, Topic, Top
 def test_session_keyed_topics_are_co_partitioned() -> None:
     registry = TopicRegistry(session_partitions=6, task_partitions=3)
     session_keyed = [s for s in registry.specs() if s.key is KeyedBy.SESSION_ID]
-    assert {s.topic for s in session_keyed} == {Topic.SESSIONS, Topic.SESSION_EVENTS, Topic.COMPLETIONS,
+    assert {s.topic for s in session_keyed} == {Topic.SESSIONS, Topic.SESSION_EVENTS, Topic.COMPLETIONS, Topic.CALL_CLAIMS,
                                                 Topic.EVALUATIONS, Topic.TRAJECTORIES}
     assert {s.partitions for s in session_keyed} == {6}
     assert registry.spec(Topic.GROUPS).partitions == 3

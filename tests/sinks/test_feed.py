@@ -5,6 +5,7 @@ acknowledged batch."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from schemas.dead_letter import DeadLetter
 from schemas.sessions import FailureKind
 from schemas.topics import Topic
 from schemas.transport import EventConsumer, EventProducer, KafkaSettings
-from sinks.feed import Batch, TrainerFeed
+from sinks.feed import Batch, BatchConfig, JoinConfig, ReadConfig, StalenessConfig, TrainerFeed
 from tests.sinks import evaluation, group, trajectory
 
 pytestmark = pytest.mark.kafka
@@ -58,10 +60,22 @@ def _drain(feed: TrainerFeed, ack: bool = True) -> list[Batch]:
 
 
 def _feed(settings: KafkaSettings, group_id: str, **options: object) -> TrainerFeed:
+    """A feed with the tests' defaults; each option goes to the config object that has a field of its name
+    (``join_*`` to JoinConfig's field without the prefix), ``policy_version`` to the feed itself."""
     defaults: dict[str, object] = {"token_budget": 2 * SAMPLES * LENGTH + 10, "tensors": "numpy",
                                    "idle_timeout_s": 3.0, "linger_s": 0.5, "join_timeout_s": 2.0}
     defaults.update(options)
-    return TrainerFeed(settings=settings, group_id=group_id, **defaults)  # type: ignore[arg-type]
+    policy_version = defaults.pop("policy_version", None)
+    configs: dict[type, dict[str, Any]] = {ReadConfig: {"group_id": group_id}, BatchConfig: {},
+                                              StalenessConfig: {}, JoinConfig: {}}
+    for name, value in defaults.items():
+        key = name.removeprefix("join_") if name in ("join_lookback_s", "join_timeout_s", "join_index_bytes") \
+            else name
+        owner = next(c for c in configs if key in {f.name for f in dataclasses.fields(c)})
+        configs[owner][key] = value
+    return TrainerFeed(ReadConfig(**configs[ReadConfig]), BatchConfig(**configs[BatchConfig]),
+                       staleness=StalenessConfig(**configs[StalenessConfig]), joins=JoinConfig(**configs[JoinConfig]),
+                       settings=settings, policy_version=policy_version)  # type: ignore[arg-type]
 
 
 async def test_batches_are_whole_groups_joined_to_their_trajectories(kafka: KafkaSettings) -> None:
@@ -146,11 +160,12 @@ async def test_unacknowledged_batches_come_again_and_poison_is_dead_lettered(kaf
 _CHILD = """
 import json, sys, time
 from schemas.transport.settings import KafkaSettings
-from sinks.feed import TrainerFeed
+from sinks.feed import BatchConfig, JoinConfig, ReadConfig, TrainerFeed
 settings = KafkaSettings.model_validate_json(sys.argv[1])
 acks = int(sys.argv[2])
-feed = TrainerFeed(settings=settings, group_id=sys.argv[3], token_budget=int(sys.argv[4]), tensors="numpy",
-                   linger_s=0.5, join_timeout_s=2.0)
+feed = TrainerFeed(ReadConfig(group_id=sys.argv[3]),
+                   BatchConfig(token_budget=int(sys.argv[4]), tensors="numpy", linger_s=0.5),
+                   joins=JoinConfig(timeout_s=2.0), settings=settings)
 for batch in feed:
     line = {"batch": batch.number, "groups": batch.group_event_ids}
     if batch.number < acks:
@@ -268,10 +283,11 @@ async def test_side_traces_are_fed_only_when_their_role_is_kept(kafka: KafkaSett
 
 def test_an_unknown_feed_role_is_refused_before_kafka_is_reached() -> None:
     with pytest.raises(ValueError, match="sidecar"):
-        TrainerFeed("127.0.0.1:1", group_id="g", token_budget=10, tensors="numpy", roles=["main", "sidecar"])
+        TrainerFeed(ReadConfig(group_id="g", bootstrap="127.0.0.1:1", roles=["main", "sidecar"]),
+                    BatchConfig(token_budget=10, tensors="numpy"))
 
 
-# -- issue 14: staleness, and the feed on `trajectories` -------------------------------------------------
+# -- staleness, and the feed on `trajectories` -------------------------------------------------
 
 async def _publish_versioned_groups(settings: KafkaSettings, oldest: dict[str, int | None]) -> dict[str, str]:
     """One group per task, its three samples sampled from version ``oldest`` (None: no versions) to 5;

@@ -1,4 +1,4 @@
-"""The trainer feed's pure parts for issue 14: staleness verdicts, the offset ledger that lets the feed commit
+"""The trainer feed's pure parts: staleness verdicts, the offset ledger that lets the feed commit
 past what it drops (and lay trajectories out of order), and the reverse join's outcome index."""
 
 from __future__ import annotations

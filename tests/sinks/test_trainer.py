@@ -1,6 +1,6 @@
 """The reference online trainer (sinks/trainer.py): its loss and importance weights, its log-probabilities,
 checkpoints that load back with the same logits, and ``rollwire train`` end to end for 2 steps against the
-stand-in engine (dev mode) behind a real proxy, on the real broker (issue 14, item 5).
+stand-in engine (dev mode) behind a real proxy, on the real broker.
 
 torch is not in the project's environment: each check runs in a child Python that borrows it the way the
 trainer does (``sinks.trainer.import_torch``: this environment's, else the vLLM environment's under
@@ -174,7 +174,7 @@ async def test_rollwire_train_steps_and_pushes_weights_through_the_proxy(kafka: 
 
     import httpx
 
-    from bench.standin_engine import Standin, StandinConfig
+    from tests.support.standin_engine import Standin, StandinConfig
     from proxy.app import create_app
     from proxy.settings import ProxySettings
     from schemas.transport import EventProducer

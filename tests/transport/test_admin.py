@@ -13,8 +13,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 import deploy.errors
-from processors.groups.cli import by_task_topic_spec
-from processors.topics import CONTROL_RETENTION_MS, control_topic_spec
+from processors.groups.topics import by_task_topic_spec
+from processors.trajectories.topics import CONTROL_RETENTION_MS, control_topic_spec
 from schemas.topics import FRAMING_BYTES, MAX_MESSAGE_BYTES, Topic
 from schemas.transport import KafkaSettings, TransportError
 from schemas.transport.admin import (

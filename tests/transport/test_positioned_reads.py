@@ -12,7 +12,7 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 
-from processors.payloads import LogReadError, LogReader
+from processors.trajectories.payloads import LogReadError, LogReader
 from schemas.codec import HEADER_EVENT_TYPE
 from schemas.topics import Topic
 from schemas.trajectories import Trajectory
@@ -32,7 +32,7 @@ async def _read_until_caught_up(consumer: EventConsumer, ends: dict[TopicPartiti
 
 
 async def test_values_are_read_back_by_partition_and_offset(kafka: KafkaSettings) -> None:
-    """What the trajectory worker does on a cache miss (processors/payloads.py): the exact record bytes."""
+    """What the trajectory worker does on a cache miss (processors/trajectories/payloads.py): the exact record bytes."""
     events = [completion(session_id=f"s{i % 3}", sequence=i) for i in range(9)]
     async with EventProducer(kafka) as producer:
         sent = await producer.send_many(events)

@@ -1,4 +1,4 @@
-"""The UI in headless Chromium against a real run on the real broker (issue 18).
+"""The UI in headless Chromium against a real run on the real broker.
 
 A run's sessions go through the real proxy (stand-in engine with vLLM's token endpoints, so calls are
 exactly continued and written as prompt deltas), the real trajectory worker builds their traces, and the
@@ -32,8 +32,8 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.standin_engine import StandinConfig, create_app as create_standin
-from bench.standin_tokens import IM_END, IM_START
+from tests.support.standin_engine import StandinConfig, create_app as create_standin
+from tests.support.standin_tokens import IM_END, IM_START
 from bench.ui import Chromium, Page, chromium_path, long_session
 from proxy.app import create_app as create_proxy
 from schemas.evaluations import Evaluation
@@ -98,7 +98,7 @@ def shots(tmp_path: Path) -> Shots:
 
 def standin_decoder() -> TokenDecoder:
     """The stand-in engine's vocabulary: its ids are the text's bytes, and the template's two markers keep
-    the real ids (bench/standin_tokens.py); the long session uses the real Qwen vocabulary, the default."""
+    the real ids (tests/support/standin_tokens.py); the long session uses the real Qwen vocabulary, the default."""
     markers = {IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
     return TokenDecoder(lambda i: chr(i) if i < 128 else markers.get(i), "stand-in bytes")
 
@@ -222,7 +222,7 @@ async def test_a_real_run_in_the_browser(kafka: KafkaSettings, standin_ui: tuple
         await page.goto(session_url("s-main", base=ui_url))
         sequences = await page.eval("[...document.querySelectorAll('tr.call')].map(r => Number(r.dataset.sequence))")
         assert sequences == list(range(calls_of_main))
-        cells = await page.eval("[...document.querySelectorAll('tr.call')].map(r => r.children[10].innerText)")
+        cells = await page.eval("[...document.querySelectorAll('tr.call')].map(r => r.children[11].innerText)")
         assert cells[0] == "new: first_call" and cells[1] == "#0" and cells[2] == "#1"
         assert cells[3] == "new: fork" and cells[4].startswith("new: ")
         nodes = await page.eval("[...document.querySelectorAll('.tree li.branch')].map(li => li.dataset.trace)")

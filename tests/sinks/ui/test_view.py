@@ -75,3 +75,15 @@ def test_links_name_the_pages() -> None:
     assert links.session_url("a/b", base="http://h:1/") == "http://h:1/sessions/a%2Fb"
     assert links.trace_url("s", 2, base="http://h:1") == "http://h:1/sessions/s/traces/2"
     assert links.run_url("2611240900ab", base="") == "/runs/2611240900ab"
+
+
+def test_the_session_page_names_each_calls_engine() -> None:
+    session = long_session("s", calls=3, tokens=200, seed=1)
+    view = RunView()
+    for event in session.events():
+        if getattr(event, "event_type", None) == "completion":
+            event = event.model_copy(update={"engine": f"engine-{event.sequence % 2}",
+                                             "engine_attempts": 2 if event.sequence == 2 else 1})
+        view.apply(event, 10)
+    rows = pages.call_rows(view.sessions["s"], session.trajectory)
+    assert [(r.engine, r.engine_attempts) for r in rows] == [("engine-0", 1), ("engine-1", 1), ("engine-0", 2)]
