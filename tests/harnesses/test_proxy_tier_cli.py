@@ -1,11 +1,13 @@
 """The real Qwen Code CLI on the real vLLM CPU engine through a proxy tier (two ``rollwire proxy`` processes
 behind the real HAProxy front), the process serving its session SIGKILLed between two of its calls.
 
-The CLI's first tool call waits, and while it waits the process that served the first call is killed: the
-tool waits for a marker the killer writes once the process is dead, so the kill falls between two calls
-however slow the machine is. The CLI's next call reaches the other process through the front, which reads
-the session's branch back from the log and continues it exactly. The session must look as if nothing had happened: one branch,
-every prompt extending its parent's prompt + sampled ids, numbers 0..n-1, one trace when built.
+The CLI's first tool call waits, and while it waits the process that served the first call is killed. The
+tool first writes a marker (the CLI has the whole first reply: it runs its tool), the killer waits for it,
+and the tool then waits for a marker the killer writes once the process is dead: the kill falls between
+two calls however slow the machine is. The CLI's next call reaches the other process through the front,
+which reads the session's branch back from the log and continues it exactly. The session must look as if
+nothing had happened: one branch, every prompt extending its parent's prompt + sampled ids, numbers
+0..n-1, one trace when built.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def tier(kafka: KafkaSettings, vllm_url: str, tmp_path: Path, monkeypatch: pytes
         yield tier
 
 
-def _script(killed: Path) -> Script:
+def _script(started: Path, killed: Path) -> Script:
     wait = f"for i in $(seq {WAIT_S * 4}); do [ -e {killed} ] && break; sleep 0.25; done"
-    return Script(steps=(ToolStep("run_shell_command", {"command": f"echo alpha > notes.txt && {wait}",
+    return Script(steps=(ToolStep("run_shell_command", {"command": f"echo alpha > notes.txt && touch {started} && {wait}",
                                                         "description": "Write alpha to notes.txt"}),
                          ToolStep("run_shell_command", {"command": "echo beta >> notes.txt",
                                                         "description": "Append beta to notes.txt"})),
@@ -66,11 +68,18 @@ async def _first_event(kafka: KafkaSettings, session_id: str, timeout_s: float) 
     raise AssertionError(f"no completion of {session_id} within {timeout_s:g} s")
 
 
-def _kill_first_server(kafka: KafkaSettings, session_id: str, outcome: dict[str, str], killed: Path) -> None:
-    """Once the session's first call is recorded, SIGKILL the process that served it (the CLI is then
-    inside its first tool, which waits for ``killed``), then write ``killed``."""
+def _kill_first_server(kafka: KafkaSettings, session_id: str, outcome: dict[str, str], started: Path,
+                       killed: Path) -> None:
+    """Once the session's first call is recorded and the CLI runs its first tool (``started``: the reply
+    reached it whole, so the kill cannot cut it), SIGKILL the process that served the call, then write
+    ``killed``, which the tool waits for."""
     try:
         first = asyncio.run(_first_event(kafka, session_id, 600))
+        deadline = time.monotonic() + WAIT_S
+        while not started.exists():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the CLI did not start its first tool within {WAIT_S} s")
+            time.sleep(0.1)
         _, members = stack.tier_services()
         victim = next(m for m in members if m.name == first.proxy)
         pid = victim.pid()
@@ -87,13 +96,13 @@ async def test_a_killed_proxy_process_costs_the_cli_session_nothing(kafka: Kafka
                                                                      tier: stack.ProxyTier, tmp_path: Path) -> None:
     front = ProxyUnderTest(tier.entry.address, kafka, admin_token=admin_token())  # the tier shares one
     home, workspace = make_dirs(tmp_path / "run")
-    killed = tmp_path / "killed"
-    script = _script(killed)
+    started, killed = tmp_path / "started", tmp_path / "killed"
+    script = _script(started, killed)
     session = front.new_session(session_id=f"tier-cli-{uuid.uuid4().hex[:8]}",
                                 engine={"max_tokens": 256, "seed": 7, "turns": script.turns()})
     command, env = QWEN.configure(home, session)
     outcome: dict[str, str] = {}
-    killer = threading.Thread(target=_kill_first_server, args=(kafka, session["session_id"], outcome, killed),
+    killer = threading.Thread(target=_kill_first_server, args=(kafka, session["session_id"], outcome, started, killed),
                               daemon=True)
     killer.start()
     run = run_harness(command, cwd=workspace, env={**clean_env(), "HOME": str(home), **env}, proxy_url=front.url,
