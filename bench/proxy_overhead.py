@@ -192,18 +192,24 @@ def _stage_means(before: str, after: str) -> dict[str, float]:
 
 
 def _numbering(before: str, after: str, name: str) -> str:
-    """The mean milliseconds of numbering a call on the claims log (its claim written and read back) between
-    two /metrics pages; empty on a proxy without claims."""
-    metric = "rollwire_proxy_call_number_seconds"
+    """Between two /metrics pages: the mean milliseconds of numbering a call on the claims log (its claim
+    written and read back: ``call_number_mean_ms``) and of the part of it that a call waited for once it had
+    been placed and sent to the engine (``call_number_wait_mean_ms``); empty on a proxy without claims."""
 
-    def total(text: str, suffix: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"{metric}_{suffix} "))
+    def mean(metric: str) -> float | None:
+        def total(text: str, suffix: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(f"{metric}_{suffix} "))
 
-    calls = total(after, "count") - total(before, "count")
-    if calls <= 0:
+        calls = total(after, "count") - total(before, "count")
+        return None if calls <= 0 else (total(after, "sum") - total(before, "sum")) * 1000 / calls
+
+    numbering = mean("rollwire_proxy_call_number_seconds")
+    if numbering is None:
         return ""
-    return f"{name}call_number_mean_ms={(total(after, 'sum') - total(before, 'sum')) * 1000 / calls:.2f}"
+    waited = mean("rollwire_proxy_call_number_wait_seconds")
+    line = f"{name}call_number_mean_ms={numbering:.2f}"
+    return line if waited is None else f"{line} {name}call_number_wait_mean_ms={waited:.2f}"
 
 
 @dataclass

@@ -31,7 +31,7 @@ import math
 import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from proxy.continuation.branches import Placement, branch_id_for
@@ -121,6 +121,11 @@ class CallService:
         if isinstance(error, CaptureFailed):
             return
         try:
+            await ctx.numbered()
+        except CaptureFailed as exc:
+            logger.warning("failed call %s not recorded: it has no number (%s)", ctx.label, exc.message)
+            return
+        try:
             await self.recorder.record_completion(completion_event(ctx, request, turn, error))
         except UnrecordableEvent as exc:
             if not exc.recorded:
@@ -206,7 +211,7 @@ class CallService:
             ctx.stages.upstream_starts()
             placement = await self._place(ctx, session, request, harness_request)
             served, placement = await _unless_gone(
-                hangup, self._on_pool(ctx, session, request, placement, body), "the engine")
+                hangup, self._served_on_pool(ctx, session, request, harness_request, placement, body), "the engine")
             turn = served
             admission.leave()  # the engine is done: recording must not hold up a weight update's drain
             ctx.first_token_at = utcnow()
@@ -222,7 +227,7 @@ class CallService:
         except Exception as exc:
             if admission is not None:
                 admission.leave()
-            error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
+            error = as_proxy_error(exc, f"call {ctx.label}")
             await self.record_failure(ctx, request, error, turn)
             raise error from exc
         finally:
@@ -238,20 +243,70 @@ class CallService:
         """Where the call goes among the session's branches, once they hold every earlier call of the session
         that another process served (read back from the log, once per call: a synthesized stream places the
         call it serves whole again). When the log cannot be read in time the branches may be behind it: the
-        call is rendered whole, and its event says why."""
-        if not ctx.caught_up:
-            ctx.caught_up = True
-            outcome = await self.restorer.catch_up(session, self.numbers.of(session.session_id), ctx.sequence)
-            if outcome is not None:
-                self.metrics.restored(outcome.seconds, outcome.bytes_read, outcome.failed)
-                ctx.restore = Restore(ms=outcome.seconds * 1000, bytes_read=outcome.bytes_read,
-                                      records_read=outcome.records_read, replayed=outcome.replayed)
-                ctx.restore_failed = outcome.failed
+        call is rendered whole, and its event says why.
+
+        A call whose number is not in yet, in a session with no other process's calls unaccounted for, is
+        placed on the branches as they are, and goes to the engine while its claim comes back
+        (:meth:`_confirmed` settles it before anything reaches the harness); a session that is already
+        behind the log waits for the number and is read back first."""
+        claims = self.numbers.of(session.session_id)
+        if not ctx.caught_up and not ctx.numbered_now() and self.restorer.behind(session, claims, sys.maxsize):
+            await ctx.numbered()
+        if not ctx.caught_up and ctx.numbered_now():
+            await self._catch_up(ctx, session)
         placement = session.branches.place(request, harness_request)
         if ctx.restore_failed is not None:
             role = placement.branch.role if placement.branch is not None else placement.role
             return Placement("open", None, list(request.messages), opened=ctx.restore_failed, role=role)
         return placement
+
+    async def _catch_up(self, ctx: CallContext, session: LiveSession) -> bool:
+        """Bring the session's branches up to the log for every call numbered before this one (once per
+        call); True when that changed them (events replayed) or left them possibly behind (the read failed)."""
+        ctx.caught_up = True
+        outcome = await self.restorer.catch_up(session, self.numbers.of(session.session_id), ctx.sequence)
+        if outcome is None:
+            return False
+        self.metrics.restored(outcome.seconds, outcome.bytes_read, outcome.failed)
+        ctx.restore = Restore(ms=outcome.seconds * 1000, bytes_read=outcome.bytes_read,
+                              records_read=outcome.records_read, replayed=outcome.replayed)
+        ctx.restore_failed = outcome.failed
+        return outcome.replayed > 0 or outcome.failed is not None
+
+    async def _confirmed(self, ctx: CallContext, session: LiveSession) -> bool:
+        """For a call placed before its number was in: wait for the number, then bring the branches up to the
+        log for the calls numbered before it. True when the placement stands (nothing came in that changes
+        the branches); False when the call must be placed again (the engine request made so far is dropped).
+        Raises the claim's CaptureFailed."""
+        if ctx.caught_up:
+            return True
+        waiting = time.perf_counter()
+        await ctx.numbered()
+        self.metrics.call_number_waits.observe(time.perf_counter() - waiting)
+        if await self._catch_up(ctx, session):
+            self.metrics.calls_placed_again.inc()
+            logger.info("call %s: placed again, its session's log held calls served elsewhere", ctx.label)
+            return False
+        return True
+
+    async def _served_on_pool(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                              harness_request: NormalizedRequest, placement: Placement,
+                              body: dict[str, Any]) -> tuple[EngineTurn, Placement]:
+        """:meth:`_on_pool` from ``placement``. A placement made before the call's number was in runs while
+        the number comes back; when it proves stale the run is cancelled and the call placed and run again."""
+        if ctx.caught_up:
+            return await self._on_pool(ctx, session, request, placement, body)
+        attempt = asyncio.ensure_future(self._on_pool(ctx, session, request, placement, body))
+        try:
+            confirmed = await self._confirmed(ctx, session)
+        except BaseException:
+            await _cancelled(attempt)
+            raise
+        if confirmed:
+            return await attempt
+        await _cancelled(attempt)
+        placement = await self._place(ctx, session, request, harness_request)
+        return await self._on_pool(ctx, session, request, placement, body)
 
     async def _on_pool(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
                        placement: Placement, body: dict[str, Any]) -> tuple[EngineTurn, Placement]:
@@ -274,8 +329,8 @@ class CallService:
                 tried.add(engine.id)
                 if len(tried) >= len(self.pool.engines):
                     raise
-                logger.warning("call %s/%d: engine %s failed before the turn was whole (%s); trying another",
-                               ctx.session_id, ctx.sequence, engine.id, exc.message)
+                logger.warning("call %s: engine %s failed before the turn was whole (%s); trying another",
+                               ctx.label, engine.id, exc.message)
             finally:
                 self.pool.release(engine, failed=failed)
 
@@ -287,7 +342,7 @@ class CallService:
             with contextlib.suppress(TokenApiMissing):
                 return await self._exact(ctx, session, request, placement, body, engine)
         turn = await engine.client.complete(body)
-        ctx.continuation = _rendered_continuation(placement, ctx.sequence, self._fallback(session, engine))
+        ctx.continuation = _rendered_continuation(placement, await ctx.numbered(), self._fallback(session, engine))
         return turn, placement
 
     async def _exact(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
@@ -316,13 +371,14 @@ class CallService:
         ctx.weight_versions = numbered_spans(generation.weight_versions)
         ctx.policy_version = sampled_version(ctx.weight_versions) or ctx.policy_version
         exact_mode = placement.kind in ("continue", "retry") and placement.branch is not None
+        sequence = await ctx.numbered()
         drift = None
         if exact_mode:
             assert placement.branch is not None
             drift = await continuations.drift(placement.branch, prompt, full, request, model)
         ctx.continuation = Continuation(
             mode="exact" if exact_mode else "rendered",
-            branch=placement.branch.branch_id if placement.branch else branch_id_for(ctx.sequence),
+            branch=placement.branch.branch_id if placement.branch else branch_id_for(sequence),
             role=placement.branch.role if placement.branch else placement.role,
             parent_sequence=_parent(placement), prefix_tokens=prefix if exact_mode else 0,
             new_tokens=len(prompt) - (prefix if exact_mode else 0), closed_cut_turn=closed_cut,
@@ -369,26 +425,21 @@ class CallService:
         self._in_flight += 1  # until the stream is done or closed (drain)
         try:
             harness_request = request
-            request = effective_request(request, session.spec.engine)
-            placement = await self._place(ctx, session, request, harness_request)
-            if not self.upstream_stream or placement.kind != "open" and await self._exact_mode(session):
+            opened = await self._open_stream(ctx, session, effective_request(request, session.spec.engine),
+                                             harness_request)
+            if opened is None:
                 # An exact continuation's reply is parsed by the engine's derender once it is whole: its stream
                 # is synthesized from the recorded turn (first bytes when the turn is done).
                 async for chunk in self._synthetic_stream(ctx, session, harness_request, renderer):
                     yield chunk
                 return
+            request, placement, engine, batches = opened.request, opened.placement, opened.engine, opened.batches
+            admission: Admission | None = opened.admission
             assembler = TurnAssembler()
             link: ChainLink | None = None
             outcome = "aborted"
             started = False  # once a chunk is out, errors can only be told in the stream itself
-            admission: Admission | None = None
             try:
-                await self.recorder.ensure_ready()
-                admission = await self._admit(ctx, session)
-                request, body, ctx.served_model = await self._prepare(request, stream=True)
-                ctx.upstream_started_at = utcnow()
-                ctx.stages.upstream_starts()
-                engine, batches = await self._stream_on_pool(ctx, session, placement, body)
                 relay_failed = True
                 try:
                     async for batch in batches:
@@ -408,7 +459,7 @@ class CallService:
                 finally:
                     await batches.aclose()
                     self.pool.release(engine, failed=relay_failed)
-                    admission.leave()
+                    opened.admission.leave()
                 ctx.stages.relayed()
                 turn = assembler.turn()
                 ctx.continuation = _rendered_continuation(placement, ctx.sequence, self._fallback(session, engine))
@@ -419,7 +470,7 @@ class CallService:
                 outcome = "failed"
                 if admission is not None:
                     admission.leave()
-                error = as_proxy_error(exc, f"call {ctx.session_id}/{ctx.sequence}")
+                error = as_proxy_error(exc, f"call {ctx.label}")
                 await self.record_failure(ctx, request, error, assembler.turn())
                 if not started:
                     raise error from exc
@@ -447,6 +498,50 @@ class CallService:
                 self.metrics.stages(ctx.api, ctx.stages)
         finally:
             self._in_flight -= 1
+
+    async def _open_stream(self, ctx: CallContext, session: LiveSession, request: NormalizedRequest,
+                           harness_request: NormalizedRequest) -> _OpenStream | None:
+        """The call's stream from an engine of the pool, its first bytes in and its number confirmed; None when
+        the call is served whole instead (an exact continuation: its stream is synthesized). A call placed
+        before its number was in that proves stale once the number comes is placed again (the first engine
+        stream dropped). A failure is recorded and raised, nothing having reached the harness; a cancellation
+        (the harness hung up) is recorded in the background."""
+        while True:
+            admission: Admission | None = None
+            fitted = request
+            try:
+                placement = await self._place(ctx, session, request, harness_request)
+                if not self.upstream_stream or placement.kind != "open" and await self._exact_mode(session):
+                    return None
+                await self.recorder.ensure_ready()
+                admission = await self._admit(ctx, session)
+                fitted, body, ctx.served_model = await self._prepare(request, stream=True)
+                ctx.upstream_started_at = utcnow()
+                ctx.stages.upstream_starts()
+                engine, batches = await self._stream_on_pool(ctx, session, placement, body)
+                try:
+                    confirmed = await self._confirmed(ctx, session)
+                except BaseException:
+                    await batches.aclose()
+                    self.pool.release(engine)
+                    raise
+                if confirmed:
+                    return _OpenStream(fitted, placement, engine, batches, admission)
+                await batches.aclose()
+                self.pool.release(engine)
+                admission.leave()
+            except asyncio.CancelledError:
+                if admission is not None:
+                    admission.leave()
+                gone = self._cut("the client closed the stream before it ended")
+                self._detach(self.record_failure(ctx, fitted, gone, None))
+                raise
+            except Exception as exc:
+                if admission is not None:
+                    admission.leave()
+                error = as_proxy_error(exc, f"call {ctx.label}")
+                await self.record_failure(ctx, fitted, error, None)
+                raise error from exc
 
     async def _stream_on_pool(self, ctx: CallContext, session: LiveSession, placement: Placement,
                               body: dict[str, Any]) -> tuple[Engine, AsyncGenerator[list[EngineDelta], None]]:
@@ -492,6 +587,17 @@ class CallService:
         yield chunks
 
 
+@dataclass(frozen=True, slots=True)
+class _OpenStream:
+    """A call's engine stream, ready to relay: the request as sent, its placement, and what it holds."""
+
+    request: NormalizedRequest
+    placement: Placement
+    engine: Engine
+    batches: AsyncGenerator[list[EngineDelta], None]
+    admission: Admission
+
+
 async def _replay(ahead: list[list[EngineDelta]], rest: AsyncIterator[list[EngineDelta]],
                   ) -> AsyncGenerator[list[EngineDelta], None]:
     """The batches already read, then the rest of the stream."""
@@ -504,6 +610,13 @@ async def _replay(ahead: list[list[EngineDelta]], rest: AsyncIterator[list[Engin
 def _unless_gone(hangup: Hangup | None, work: Coroutine[Any, Any, T], waiting_for: str) -> Awaitable[T]:
     """``work``, cut short by the client's hang-up when there is a watcher (see proxy.hangups)."""
     return work if hangup is None else hangup.guard(work, waiting_for)
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has finished (whatever it ended with is of no use any more)."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

@@ -64,13 +64,17 @@ def body_digest(body: bytes) -> str:
 
 @dataclass
 class CallContext:
-    """Everything known about one model call before the engine answers."""
+    """Everything known about one model call before the engine answers.
+
+    The call's number (``sequence``, and ``retry_of``) comes from its claim on the log, which is written
+    while the call is parsed, placed and sent to the engine (``numbering``): :meth:`numbered` waits for it,
+    and nothing the harness sees, nothing recorded, depends on the number before that wait."""
 
     api: ProviderApi
     session_id: str
     task_id: str | None
     policy_version: str | None
-    sequence: int
+    sequence: int  # -1 until the claim is read back (see numbered)
     requested_model: str | None
     served_model: str | None
     digest: str | None
@@ -90,6 +94,33 @@ class CallContext:
     caught_up: bool = False  # the session's branches were brought up to the log for this call
     restore_failed: str | None = None  # why they may still be behind it (the call is then rendered whole)
     stages: StageTimes = field(default_factory=StageTimes)
+    # The claim on its way: (sequence, retry_of) once this process's reader has passed it; None once taken.
+    numbering: asyncio.Future[tuple[int, int | None]] | None = None
+
+    def numbered_now(self) -> bool:
+        """Whether the call's number is in (taken into ``sequence``); raises the claim's CaptureFailed."""
+        if self.numbering is None:
+            return True
+        if not self.numbering.done():
+            return False
+        self._take(self.numbering.result())
+        return True
+
+    async def numbered(self) -> int:
+        """The call's number, once its claim is read back (CaptureFailed when it cannot be had). The claim
+        itself is shielded: a caller that gives up waiting never cancels it."""
+        if self.numbering is not None:
+            self._take(await asyncio.shield(self.numbering))
+        return self.sequence
+
+    def _take(self, number: tuple[int, int | None]) -> None:
+        self.sequence, self.retry_of = number
+        self.numbering = None
+
+    @property
+    def label(self) -> str:
+        """``session/sequence`` for logs (``?`` while the number is not in)."""
+        return f"{self.session_id}/{self.sequence if self.numbering is None else '?'}"
 
 
 EMPTY_REQUEST = NormalizedRequest(messages=[])
@@ -143,6 +174,8 @@ def completion_event(ctx: CallContext, request: NormalizedRequest, turn: EngineT
         logprobs = turn.logprobs or None
         finish_reason, stop_reason = turn.finish_reason, turn.stop_reason
         message = AssistantMessage(content=turn.content, reasoning=turn.reasoning, tool_calls=turn.tool_calls)
+    if ctx.numbering is not None:
+        raise RuntimeError(f"call {ctx.label}: an event is built only once the call is numbered")
     return Completion(
         session_id=ctx.session_id, task_id=ctx.task_id, sequence=ctx.sequence, agent_hints=ctx.agent_hints,
         api=ctx.api, requested_model=ctx.requested_model, served_model=ctx.served_model,

@@ -87,6 +87,14 @@ class ProxyMetrics:
         self.call_numbers = Histogram(
             "rollwire_proxy_call_number_seconds", "Numbering a call on the claims log: its claim written, then "
             "waited for until this process's reader has passed it.", buckets=_STAGE_BUCKETS, registry=self.registry)
+        self.call_number_waits = Histogram(
+            "rollwire_proxy_call_number_wait_seconds", "How long a call, placed and sent to the engine while its "
+            "claim was on its way, then waited for its number before its first byte to the harness.",
+            buckets=_STAGE_BUCKETS, registry=self.registry)
+        self.calls_placed_again = Counter(
+            "rollwire_proxy_calls_placed_again", "Calls placed before their number was in whose session's log, "
+            "read once the number came, held calls of another process that changed the branches: the engine "
+            "request was dropped and the call placed again.", registry=self.registry)
         self._engines: Callable[[], list[dict[str, Any]]] | None = None
 
     def error(self, api: str, kind: str) -> None:

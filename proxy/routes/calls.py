@@ -64,25 +64,38 @@ def _retry_count(header: str) -> int:
     return _MAX_RETRY_COUNT if len(header) > 6 else min(int(header), _MAX_RETRY_COUNT)
 
 
-async def _context(request: Request, session: LiveSession, api: ProviderApi, raw: bytes | None,
-                   started: float) -> CallContext:
-    """Number the call on the claims log (from here on it will have an event) and gather what is known
-    before parsing."""
+def _context(request: Request, session: LiveSession, api: ProviderApi, raw: bytes | None,
+             started: float) -> CallContext:
+    """Start numbering the call on the claims log (from here on it will have an event) and gather what is
+    known before parsing. The claim is written while the call is parsed, placed and sent to the engine;
+    the call waits for its number only before its first byte goes to the harness (proxy/calls.py)."""
     state = proxy_state(request)
     keep_body = state.settings.record_request_body
     digest = body_digest(raw) if raw is not None else None
     retry_count = _retry_count(request.headers.get("x-stainless-retry-count", "0"))
-    numbering = time.perf_counter()
-    numbered = await state.numbers.claim(session.session_id, digest, retry_count)
-    state.metrics.call_numbers.observe(time.perf_counter() - numbering)
-    sequence, retry_of = numbered.sequence, numbered.retry_of
+    numbering = asyncio.ensure_future(_claim(request, session.session_id, digest, retry_count))
+    numbering.add_done_callback(_retrieved)
     hints = {name: request.headers[name] for name in _HINT_HEADERS if name in request.headers}
     body = raw.decode("utf-8", errors="replace") if keep_body and raw is not None else None
     # policy_version: the engine's, once the call passes the policy gate (proxy/calls.py); None before.
     return CallContext(api=api, session_id=session.session_id, task_id=session.spec.task_id,
-                       policy_version=None, sequence=sequence, requested_model=None, served_model=None,
-                       digest=digest, body=body, retry_of=retry_of, retry_count=retry_count, agent_hints=hints,
-                       proxy=state.settings.instance, stages=StageTimes(started=started))
+                       policy_version=None, sequence=-1, requested_model=None, served_model=None,
+                       digest=digest, body=body, retry_count=retry_count, agent_hints=hints,
+                       proxy=state.settings.instance, stages=StageTimes(started=started), numbering=numbering)
+
+
+async def _claim(request: Request, session_id: str, digest: str | None, retry_count: int) -> tuple[int, int | None]:
+    state = proxy_state(request)
+    numbering = time.perf_counter()
+    numbered = await state.numbers.claim(session_id, digest, retry_count)
+    state.metrics.call_numbers.observe(time.perf_counter() - numbering)
+    return numbered.sequence, numbered.retry_of
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A claim's failure is answered by the call that waits for its number; no warning for it here."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _parse(provider: ProviderAdapter, raw: bytes, route: Route) -> tuple[Any, ParsedCall]:
@@ -101,8 +114,9 @@ async def serve_call(request: Request, provider: ProviderAdapter, session_id: st
                      route: Route = _NO_ROUTE, refusal: ProxyError | None = None) -> Response:
     """One model call on any provider API.
 
-    Order: the key (401 before anything is read), then the call is numbered, then the body is read,
-    decoded and parsed. Every call past the key leaves exactly one completion event.
+    Order: the key (401 before anything is read), then the body is read and the call's claim written (its
+    number comes back while the call goes on), then the body is decoded and parsed. Every call past the key
+    leaves exactly one completion event.
     """
     state = proxy_state(request)
     started = time.perf_counter()
@@ -120,7 +134,7 @@ async def serve_call(request: Request, provider: ProviderAdapter, session_id: st
             require_json_media_type(request)
             raw = await read_body(request, state.max_body_bytes)
         finally:
-            ctx = await _context(request, session, provider.name, raw, started)
+            ctx = _context(request, session, provider.name, raw, started)
         assert raw is not None
         # From here until the reply starts, a harness that hangs up (its SDK's timeout) cancels the
         # call's wait for the engine, and the call is recorded as abandoned (proxy/hangups.py).

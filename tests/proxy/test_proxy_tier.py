@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -159,3 +159,78 @@ async def test_a_log_that_cannot_be_read_in_time_renders_the_call(kafka: KafkaSe
         first, second = of_session(await a.completions(2), session["session_id"])
     assert second.status == "ok" and second.sequence == 1
     assert second.continuation.mode == "rendered" and second.continuation.opened == "restore_timed_out"
+
+
+@contextlib.contextmanager
+def claims_held(app: Any) -> Iterator[Callable[[], None]]:
+    """Hold back what a running proxy's claims reader counts (in order, nothing dropped) until the function
+    yielded is called: the proxy then knows of no claim made meanwhile, its own included, as if its reader
+    were slow. The calls it receives meanwhile are placed before their numbers are in."""
+    numbers = app.state.proxy.numbers
+    count = numbers._count
+    held: list[tuple[Any, ...]] = []
+    loops: list[asyncio.AbstractEventLoop] = []
+    holding = True
+
+    def deferred(*args: Any) -> None:
+        if not holding:
+            count(*args)
+            return
+        held.append(args)
+        if not loops:
+            loops.append(asyncio.get_running_loop())
+
+    def let_go() -> None:
+        nonlocal holding
+        holding = False
+        for args in held:
+            count(*args)
+        held.clear()
+
+    def release() -> None:
+        if loops:
+            loops[0].call_soon_threadsafe(let_go)
+        else:
+            let_go()
+
+    numbers._count = deferred
+    try:
+        yield release
+    finally:
+        release()
+        numbers._count = count
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_placed_before_its_number_is_placed_again_when_the_log_moved(
+        kafka: KafkaSettings, engine_url: str, stream: bool) -> None:
+    """A process places a call and sends it to the engine while the call's claim is still coming back. Here
+    its claims reader is held, so it does not know yet that the other process served the session's first
+    call: it places the second call as a new branch on its empty branches. When the claims come in, the call's
+    number shows a call of another process before it: the session's log is read, the first engine request is
+    dropped, and the call is placed again, continuing the first call's branch exactly. Nothing of the dropped
+    request reached the harness: one answer, one event."""
+    with serve(create_standin(StandinConfig(latency_ms=300, reply_tokens=12, token_api=True))) as slow_engine:
+        first_app = create_app(proxy_settings(slow_engine, proxy_instance="proxy-0"), kafka)
+        second_app = create_app(proxy_settings(slow_engine, proxy_instance="proxy-1"), kafka)
+        with serve(first_app) as first_url, serve(second_app) as second_url:
+            a = ProxyUnderTest(first_url, kafka)
+            session = a.new_session(engine={"max_tokens": 12})
+            messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "start"}]
+            with claims_held(second_app) as release:
+                text = ask(first_url, session, messages)
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+                asked = asyncio.ensure_future(asyncio.to_thread(ask, second_url, session, messages, stream=stream))
+                await asyncio.sleep(0.15)  # the call is on the engine (300 ms to its first bytes), unnumbered
+                assert not asked.done()
+                release()
+                second_text = await asked
+            metrics = httpx.get(f"{second_url}/metrics", timeout=10).text
+            first, second = of_session(await a.completions(2), session["session_id"])
+    assert second_text
+    assert "rollwire_proxy_calls_placed_again_total 1.0" in metrics
+    assert second.sequence == 1 and second.proxy == "proxy-1" and second.status == "ok"
+    assert second.continuation.mode == "exact" and second.continuation.parent_sequence == 0
+    assert second.continuation.branch == first.continuation.branch == "b0"
+    assert second.continuation.restore is not None and second.continuation.restore.replayed == 1
+    assert extends(second, first)
