@@ -27,7 +27,7 @@ with the ack's share of the added p50, the part of the added p50 that falls befo
 (``added_first_token_p50_ms``: the request read, parsed and sent on; the rest is the relay and the ack), and rollwire's added p50 over each peer's. Key figure last:
 rollwire's ``added_p50_ms``. With ``--proxies``, each tier's figures as well (latencies, its processes' and
 its front's CPU, the calls each process served, branch restores, the stage means summed over its processes:
-the call-claim's wait falls in ``parse``), then per N ``proxies_N_added_p50_ms``, ``proxies_N_added_p99_ms``
+the part of the call claim's time a call still waited for falls in ``upstream_wait``), then per N ``proxies_N_added_p50_ms``, ``proxies_N_added_p99_ms``
 and ``proxies_N_over_floor`` (its added p50 over ``floor_whole``'s in the same run, with
 ``--capture-floor``); the key figure last is then the largest N's ``proxies_N_over_floor`` (without
 ``--capture-floor``: its ``proxies_N_added_p50_ms``).
@@ -553,7 +553,7 @@ async def run(args: argparse.Namespace) -> None:
         if stage in stages:
             print(f"stage_{stage}_mean_ms={stages[stage]:.2f}")
     if numbering := _numbering(metrics_before, health, ""):
-        print(numbering)  # the call claim's part of `parse`
+        print(numbering)  # the call claim's time, and the part of it a call waited for (in `upstream_wait`)
     if "capture" in stages:
         # The ack (Kafka capture) is the one stage that lies wholly inside the added time.
         print(f"ack_share_of_added_p50={stages['capture'] / added_p50 if added_p50 > 0 else float('nan'):.2f}")
@@ -601,7 +601,7 @@ def _print_tiers(sizes: list[int], tiers: list[_Tier], results: dict[str, list[f
         restores = sum(_counter(a, _RESTORES) - _counter(b, _RESTORES)
                        for b, a in zip(tier.metrics_before, after[name], strict=True))
         print(f"{name}_calls_per_process={'/'.join(str(int(n)) for n in served)} {name}_restores={int(restores)}")
-        # The stage means over all the tier's calls (the call claim's wait on Kafka falls in `parse`).
+        # The stage means over all the tier's calls (what a call waited for its number falls in `upstream_wait`).
         stages = _stage_means("\n".join(tier.metrics_before), "\n".join(after[name]))
         print(" ".join(f"{name}_stage_{stage}_mean_ms={stages[stage]:.2f}"
                        for stage in ("parse", "upstream_wait", "relay", "capture") if stage in stages))

@@ -3,7 +3,8 @@
 - ``parse``: from the request's arrival to the engine request going out (authentication, reading and
   parsing the body, normalizing it, the policy gate, building the engine body): the proxy's own work.
 - ``upstream_wait``: from the engine request to the engine's first bytes (a whole reply: to the whole
-  reply; an exact continuation: render, generate and derender through the token API).
+  reply; an exact continuation: render, generate and derender through the token API), and then to the
+  call's number, when its claim is slower than the engine (proxy/routes/calls.py).
 - ``relay``: a stream, from the engine's first bytes to its last chunk written to the client (the
   engine's own pace included); a whole reply or a synthesized stream, rendering the reply once recorded.
 - ``capture``: building and encoding the completion event and waiting for Kafka's ack (the durable

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -42,12 +39,12 @@ from tests.producers.rollout_helpers import rollout_server
 from tests.producers.fault_table import HARNESS_CALL, fault_row, free_port, print_fault_table
 from tests.proxy.conftest import ProxyUnderTest
 from tests.servers import serve
+from tests.support.processes import answers, kafka_env, rollwire_process
 from tests.support.standin_engine import StandinConfig
 from tests.support.standin_engine import create_app as create_standin
 
 pytestmark = pytest.mark.kafka
 
-ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "rollwire/base:bookworm"
 MEMORY = "96m"
 PIDS_LIMIT = 32
@@ -86,48 +83,11 @@ if mode == "graded":  # a change to grade; the grader script only in sample 0's
 '''
 
 
-def _kafka_env(kafka: KafkaSettings) -> dict[str, str]:
-    """This process's environment with the test's Kafka settings as ``ROLLWIRE_*`` (its topic prefix)."""
-    env = dict(os.environ)
-    for name, value in kafka.model_dump().items():
-        if isinstance(value, (str, int, float, bool)):
-            env[f"ROLLWIRE_{name.upper()}"] = str(value)
-    return env
-
-
-@contextlib.contextmanager
-def _service(argv: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
-             timeout_s: float = 90) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``rollwire`` command as a process of its own (its own session, output to ``log``), yielded once
-    ``ready()``; killed on the way out if it still runs."""
-    with log.open("ab") as out:
-        process = subprocess.Popen([str(Path(sys.executable).parent / "rollwire"), *argv], cwd=ROOT, env=env,
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert process.poll() is None, f"{argv} exited {process.returncode}: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"{argv} not ready in {timeout_s:g}s: {log.read_text()[-3000:]}"
-            time.sleep(0.2)
-        yield process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @contextlib.contextmanager
 def _proxy_process(kafka: KafkaSettings, engine_url: str, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``rollwire proxy`` over ``engine_url`` on ``port``, answering its /health."""
-    with _service(["proxy", "--port", str(port), "--engine-url", engine_url], _kafka_env(kafka), log,
-                  lambda: _answers(f"http://127.0.0.1:{port}/health")) as process:
+    with rollwire_process(["proxy", "--port", str(port), "--engine-url", engine_url], kafka_env(kafka), log,
+                          lambda: answers(f"http://127.0.0.1:{port}/health")) as process:
         yield process
 
 
@@ -318,7 +278,7 @@ async def test_an_evaluator_process_that_raises_is_kept_out_not_resubmitted(
             "max_retries": 1, "agent": {"harness": "command", "command": f"{sys.executable} {script} graded"},
             "evaluator": {"name": "tests", "settings": {"command": ["./grade.sh"], "timeout_s": 30}}}
     log = tmp_path / "evaluator.log"
-    with _service(["evaluator", "run", "tests"], {**_kafka_env(kafka), "TMPDIR": str(tmp_path)}, log,
+    with rollwire_process(["evaluator", "run", "tests"], {**kafka_env(kafka), "TMPDIR": str(tmp_path)}, log,
                   lambda: "consuming as group" in log.read_text()):
         statuses = await _run(kafka, proxy.url, tmp_path, {"evaluator crashing": task},
                               LocalRuntime(root=tmp_path / "sessions"), evaluation_wait_s=90)

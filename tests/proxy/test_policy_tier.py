@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,11 +32,11 @@ from schemas.topics import Topic
 from schemas.transport import EventConsumer, KafkaSettings
 from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import free_port, serve
+from tests.support.processes import ROOT, answers, kafka_env, rollwire_process
 from tests.support.standin_engine import Standin, StandinConfig
 
 pytestmark = pytest.mark.kafka
 
-ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "fix the test"}]
 HEARTBEAT_S, TIER_TIMEOUT_S = 0.25, 2.0
 TIER = {"proxy_tier_heartbeat_s": HEARTBEAT_S, "proxy_tier_timeout_s": TIER_TIMEOUT_S}
@@ -73,36 +72,15 @@ class ProxyProcess(ProxyUnderTest):
 @contextlib.contextmanager
 def proxy_process(kafka: KafkaSettings, engine_url: str, name: str, log: Path) -> Iterator[ProxyProcess]:
     """``rollwire proxy`` named ``name`` as a process of its own (this checkout's code), killed on the way out."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), ROLLWIRE_PROXY_INSTANCE=name,
-               ROLLWIRE_PROXY_TIER_HEARTBEAT_S=str(HEARTBEAT_S), ROLLWIRE_PROXY_TIER_TIMEOUT_S=str(TIER_TIMEOUT_S),
-               ROLLWIRE_SESSION_WAIT_S="0.3", ROLLWIRE_ENGINE_TIMEOUT_S="60")
-    for field, value in kafka.model_dump().items():
-        if isinstance(value, (str, int, float, bool)):
-            env[f"ROLLWIRE_{field.upper()}"] = str(value)
+    env = kafka_env(kafka, dict(os.environ, PYTHONPATH=str(ROOT), ROLLWIRE_PROXY_INSTANCE=name,
+                                ROLLWIRE_PROXY_TIER_HEARTBEAT_S=str(HEARTBEAT_S),
+                                ROLLWIRE_PROXY_TIER_TIMEOUT_S=str(TIER_TIMEOUT_S), ROLLWIRE_SESSION_WAIT_S="0.3",
+                                ROLLWIRE_ENGINE_TIMEOUT_S="60"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with log.open("ab") as out:
-        process = subprocess.Popen([str(Path(sys.executable).parent / "rollwire"), "proxy", "--port", str(port),
-                                    "--engine-url", engine_url], cwd=ROOT, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not _answers(f"{url}/health"):
-            assert process.poll() is None, f"{name} exited {process.returncode}: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"{name} did not start: {log.read_text()[-3000:]}"
-            time.sleep(0.2)
+    with rollwire_process(["proxy", "--port", str(port), "--engine-url", engine_url], env, log,
+                          lambda: answers(f"{url}/health")) as process:
         yield ProxyProcess(url, kafka, process=process)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def policy(proxy: ProxyUnderTest) -> dict[str, Any]:
