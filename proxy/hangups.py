@@ -49,21 +49,39 @@ class Hangup:
         self._watch.cancel()
 
     async def guard(self, work: Awaitable[T], waiting_for: str) -> T:
-        """``await work``, unless the client hangs up first: then ``work`` is cancelled (and awaited, so
-        that what it holds is released) and ClientDisconnected raised. ``waiting_for`` says what the call
-        was waiting for, in the error."""
-        task = asyncio.ensure_future(work)
+        """``await work``, unless the client hangs up first: then the wait is cancelled (``work`` releases
+        what it holds as any cancelled await does) and ClientDisconnected raised. ``waiting_for`` says what
+        the call was waiting for, in the error.
+
+        ``work`` runs in the calling task, not in a task of its own: a call's start and its first bytes do
+        not each wait for a turn of a busy event loop. The hang-up cancels the calling task, and only this
+        wait: a cancellation of the call from elsewhere (the server stopping) stays a cancellation."""
+        if self.gone:
+            close = getattr(work, "close", None)
+            if close is not None:
+                close()  # never started: nothing to release
+            raise ClientDisconnected(f"the client closed the connection while the call waited for {waiting_for}")
+        task = asyncio.current_task()
+        assert task is not None
+        waiting, cut = True, False
+
+        def hung_up(_: asyncio.Task[None]) -> None:
+            nonlocal cut
+            if waiting and self.gone:
+                cut = True
+                task.cancel()
+
+        self._watch.add_done_callback(hung_up)
         try:
-            await asyncio.wait((task, self._watch), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # this call was cancelled itself (the server shutting down): so is the work
-            task.cancel()
+            result = await work
+        except asyncio.CancelledError:
+            if cut and task.uncancel() == 0:
+                raise ClientDisconnected(
+                    f"the client closed the connection while the call waited for {waiting_for}") from None
             raise
-        if task.done():
-            return task.result()
-        if not self.gone:  # the watcher ended otherwise (stopped, or receive failed): go on waiting
-            return await task
-        task.cancel()
-        await asyncio.wait((task,))  # its clean-up done (this never raises: the outcome stays in the task)
-        if not task.cancelled():
-            task.exception()  # it ended otherwise while being cancelled: the hang-up is what the call ends with
-        raise ClientDisconnected(f"the client closed the connection while the call waited for {waiting_for}")
+        finally:
+            waiting = False
+            self._watch.remove_done_callback(hung_up)
+        if cut:
+            task.uncancel()  # the work ended all the same (it did not let the cancellation through)
+        return result

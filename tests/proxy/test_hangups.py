@@ -11,6 +11,8 @@ import pytest
 
 from tests.support.standin_engine import StandinConfig, create_app as create_standin
 from proxy.app import create_app
+from proxy.errors import ClientDisconnected
+from proxy.hangups import Hangup
 from schemas.transport import KafkaSettings
 from tests.proxy.conftest import ProxyUnderTest, auth, proxy_settings
 from tests.servers import serve
@@ -101,3 +103,46 @@ async def test_a_hang_up_during_an_exact_continuation_leaves_one_abandoned_call(
         assert abandoned.error.kind == "client_disconnected", abandoned.error
         await asyncio.sleep(4.5 - (time.monotonic() - started))
         assert len(await proxy.completions(2, raw=True)) == 2  # and never a served turn after it
+
+
+async def test_a_guarded_wait_runs_in_the_calling_task_and_a_hang_up_ends_only_that_wait() -> None:
+    """The guarded work runs in the call's own task (no task of its own to be scheduled first); a hang-up
+    ends the wait with ClientDisconnected and leaves the call's task free to go on (to record the call);
+    a cancellation from elsewhere (the server stopping) stays a cancellation."""
+    messages: asyncio.Queue[dict] = asyncio.Queue()
+    hangup = Hangup(messages.get)
+
+    async def where() -> asyncio.Task | None:
+        return asyncio.current_task()
+
+    assert await hangup.guard(where(), "the engine") is asyncio.current_task()
+
+    waiting = asyncio.Event()
+
+    async def engine() -> None:
+        waiting.set()
+        await asyncio.sleep(3600)
+
+    async def call() -> str:
+        try:
+            await hangup.guard(engine(), "the engine's first tokens")
+        except ClientDisconnected as exc:
+            task = asyncio.current_task()
+            assert task is not None and task.cancelling() == 0
+            await asyncio.sleep(0.01)  # the call goes on: its failure is recorded after this
+            return exc.message
+        return "served"
+
+    stopped = asyncio.ensure_future(call())
+    await waiting.wait()
+    stopped.cancel()  # the server stopping: not a hang-up
+    with pytest.raises(asyncio.CancelledError):
+        await stopped
+
+    waiting.clear()
+    cut = asyncio.ensure_future(call())
+    await waiting.wait()
+    messages.put_nowait({"type": "http.disconnect"})
+    assert "while the call waited for the engine's first tokens" in await asyncio.wait_for(cut, 5)
+    with pytest.raises(ClientDisconnected):  # gone before the wait: the work is never started
+        await hangup.guard(engine(), "the policy gate")
