@@ -32,7 +32,7 @@ from proxy.errors import CaptureFailed
 from proxy.follow import follow_forever
 from schemas.call_claims import CallClaim
 from schemas.topics import Topic
-from schemas.transport import EventConsumer, KafkaSettings
+from schemas.transport import EventConsumer, KafkaSettings, Received
 
 CLOCK_MARGIN_MS = 5 * 60 * 1000
 """How far before a time the claims or completions are read from, for clocks of different hosts."""
@@ -157,10 +157,14 @@ class CallNumbers:
                     await consumer.seek_to_time(since, partitions)
             while True:
                 for received in await consumer.getmany(timeout_ms=500):
-                    event = received.event
-                    if isinstance(event, CallClaim):
-                        self._count(event, received.partition, received.offset, received.timestamp_ms)
-                    self._positions[TopicPartition(received.topic, received.partition)] = received.offset + 1
+                    self._take(received)
+
+    def _take(self, received: Received) -> None:
+        """One record of the topic, in the partition's order: counted, and the reader's position past it."""
+        event = received.event
+        if isinstance(event, CallClaim):
+            self._count(event, received.partition, received.offset, received.timestamp_ms)
+        self._positions[TopicPartition(received.topic, received.partition)] = received.offset + 1
 
     async def _start_ms(self) -> int | None:
         if self._live_since is None:

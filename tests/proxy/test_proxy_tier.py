@@ -163,28 +163,28 @@ async def test_a_log_that_cannot_be_read_in_time_renders_the_call(kafka: KafkaSe
 
 @contextlib.contextmanager
 def claims_held(app: Any) -> Iterator[Callable[[], None]]:
-    """Hold back what a running proxy's claims reader counts (in order, nothing dropped) until the function
+    """Hold back what a running proxy's claims reader takes in (in order, nothing dropped) until the function
     yielded is called: the proxy then knows of no claim made meanwhile, its own included, as if its reader
     were slow. The calls it receives meanwhile are placed before their numbers are in."""
     numbers = app.state.proxy.numbers
-    count = numbers._count
-    held: list[tuple[Any, ...]] = []
+    take = numbers._take
+    held: list[Any] = []
     loops: list[asyncio.AbstractEventLoop] = []
     holding = True
 
-    def deferred(*args: Any) -> None:
+    def deferred(received: Any) -> None:
         if not holding:
-            count(*args)
+            take(received)
             return
-        held.append(args)
+        held.append(received)
         if not loops:
             loops.append(asyncio.get_running_loop())
 
     def let_go() -> None:
         nonlocal holding
         holding = False
-        for args in held:
-            count(*args)
+        for received in held:
+            take(received)
         held.clear()
 
     def release() -> None:
@@ -193,12 +193,12 @@ def claims_held(app: Any) -> Iterator[Callable[[], None]]:
         else:
             let_go()
 
-    numbers._count = deferred
+    numbers._take = deferred
     try:
         yield release
     finally:
         release()
-        numbers._count = count
+        numbers._take = take
 
 
 @pytest.mark.parametrize("stream", [False, True])
