@@ -13,7 +13,8 @@ The rules, and why:
 - **A session's calls go to one process.** The hash key is the session id of a ``/s/{session_id}/...`` path,
   else the key the harness sends (``Authorization: Bearer``, ``x-api-key``, ``x-goog-api-key``, then
   ``?key=``); ``hash-type consistent``, so a process that leaves or joins moves only its own share of the
-  sessions. A process keeps per-session state that its calls warm (a branch's exact token ids, call numbers,
+  sessions. Every process has the highest weight (256), which gives it the most points on the hash ring:
+  the sessions spread evenly (with the default weight, one of two processes got 60 % of them). A process keeps per-session state that its calls warm (a branch's exact token ids, call numbers,
   the digests that tell an SDK's retry), but every process reads every session from the ``sessions`` topic and
   that state is a view of the log: affinity is an optimisation, never needed for a call to be served and
   recorded (docs/design.md, "The fleet").
@@ -192,7 +193,7 @@ backend {BACKEND}
     retry-on conn-failure
     option redispatch 1
     http-response set-header {SERVED_BY_HEADER} %[srv_name]
-    default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down
+    default-server weight 256 check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down
 {servers}
 
 listen stats

@@ -180,6 +180,24 @@ def test_the_front_hashes_on_the_path_session_then_each_key_in_turn(tmp_path: Pa
                 assert served(f"/v1beta/models/m:generateContent?key={second}", **{"x-goog-api-key": first}) == expect
 
 
+def test_the_front_spreads_many_sessions_evenly_over_its_processes(tmp_path: Path) -> None:
+    """A thousand sessions named as the rollout server names them, over two and three processes: each
+    process gets its share within a tenth of the even split. The hash ring holds as many points per process
+    as HAProxy allows; with its default weight (few points), one of two processes took 60 % of the sessions."""
+    names = [f"task-{t}-r{run:04d}-s{s}" for run in range(16) for t in range(8) for s in range(8)]
+    with serve(_named("a")) as a, serve(_named("b")) as b, serve(_named("c")) as c:
+        ports = [int(url.rsplit(":", 1)[1]) for url in (a, b, c)]
+        for count in (2, 3):
+            backends = tuple(Backend(f"proxy-{i}", "127.0.0.1", ports[i]) for i in range(count))
+            folder = tmp_path / str(count)
+            folder.mkdir()
+            with _haproxy(_front_config(backends, free_port(), free_port()), folder) as url, \
+                    httpx.Client(base_url=url, timeout=10) as client:
+                served = [client.post(f"/s/{name}/v1/chat/completions").text for name in names]
+            shares = sorted(served.count(side) / len(names) for side in "abc"[:count])
+            assert shares[0] >= 0.9 / count and shares[-1] <= 1.1 / count, (count, shares)
+
+
 # ---- the tier: real proxy processes ---------------------------------------------------------------------
 
 
