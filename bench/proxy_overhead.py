@@ -15,8 +15,8 @@ changed under the same machine noise. With ``--proxies 1,2`` also a proxy tier o
 ``proxies_N``: N ``rollwire proxy`` processes (``proxy-0`` ..., each its ``ROLLWIRE_PROXY_INSTANCE``, on
 topics of their own) behind the real HAProxy front, its configuration written by deploy/proxy_front.py's
 writer and HAProxy run as ``rollwire proxy-front`` runs it. Each client's session is addressed by its path
-(``/s/{session_id}/v1``, the base URL the front's own session API hands out), so the front's consistent hash
-spreads the sessions over the processes as it spreads a rollout's. ``proxies_1`` is the single proxy
+(``/s/{session_id}/v1``, the base URL the front's own session API hands out), so the front spreads
+the sessions over the processes (and keeps each on one) as it does a rollout's. ``proxies_1`` is the single proxy
 measured directly (path ``through``, the same process and rounds): with N = 1 the proxy listens on its
 address itself and no HAProxy runs.
 

@@ -1,7 +1,7 @@
 """HAProxy in front of the proxy tier: the configuration it runs with, and running it in the foreground.
 
 With ``rollwire up --proxies N`` (and the main job's ``--proxies N``), N proxy processes (``proxy-0`` ...)
-listen on ports of their own and one HAProxy (Debian's ``haproxy``, 2.6 or newer: ``balance hash``) listens
+listen on ports of their own and one HAProxy (Debian's ``haproxy``, 2.6 or newer) listens
 on the proxy's usual address, so the URL harnesses and gateway nodes use does not change. This module owns
 that HAProxy and nothing else: the configuration text (:func:`haproxy_config`), where it is written
 (``$ROLLWIRE_HOME/proxy-front/haproxy.cfg``) and ``rollwire proxy-front``, which writes it from the
@@ -10,17 +10,20 @@ other service (deploy/services.py). Bringing the processes up is deploy/stack.py
 
 The rules, and why:
 
-- **A session's calls go to one process.** The hash key is the session id of a ``/s/{session_id}/...`` path,
-  else the key the harness sends (``Authorization: Bearer``, ``x-api-key``, ``x-goog-api-key``, then
-  ``?key=``); ``hash-type consistent``, so a process that leaves or joins moves only its own share of the
-  sessions. Every process has the highest weight (256), which gives it the most points on the hash ring:
-  the sessions spread evenly (with the default weight, one of two processes got 60 % of them). A process keeps per-session state that its calls warm (a branch's exact token ids, call numbers,
-  the digests that tell an SDK's retry), but every process reads every session from the ``sessions`` topic and
-  that state is a view of the log: affinity is an optimisation, never needed for a call to be served and
-  recorded (docs/design.md, "The fleet").
+- **A session's calls go to one process, and sessions spread by load.** The key is the session id of a
+  ``/s/{session_id}/...`` path, else the key the harness sends (``Authorization: Bearer``, ``x-api-key``,
+  ``x-goog-api-key``, then ``?key=``). A session's first call goes to the process with the fewest calls in
+  flight (``balance leastconn``) and the front remembers where (a stick table, a day per session); its later
+  calls go there. A hash of the key would need no table, but with the few sessions a tier serves at once it
+  spreads them by chance: 16 rollout sessions hashed over two processes went 12 to 4, so one process carried
+  three quarters of the load. A process keeps per-session state that its calls warm (a branch's exact token
+  ids, call numbers, the digests that tell an SDK's retry), but every process reads every session from the
+  ``sessions`` topic and that state is a view of the log: affinity is an optimisation, never needed for a
+  call to be served and recorded (docs/design.md, "The fleet"), so a front started again (its table empty)
+  or a session sent elsewhere costs a read of the session's log, never a wrong call.
 - **A dead process leaves at once.** Each process's ``/health`` is read every second (every 250 ms while its
   state changes), two failures take it out, and a refused connection takes it out on the spot (``observe
-  layer4``): its sessions hash to the other processes until it answers again.
+  layer4``): its sessions go to the other processes (each to the least busy, and stay there).
 - **Only a request that never reached a process is sent again** (``retry-on conn-failure``, to another
   process: ``option redispatch 1``). A request a process received may be at the engine or on Kafka already;
   sending it again could record one call twice, so a call cut after it arrived fails to the harness, whose
@@ -145,7 +148,7 @@ def front_config(proxy: ProxySettings, tier: ProxyTierSettings) -> FrontConfig:
                        backends=backends, server_timeout_s=server_timeout_s(proxy))
 
 
-# The hash key, first found wins: a session addressed by path, then the key headers in the order the
+# The session's key, first found wins: a session addressed by path, then the key headers in the order the
 # provider SDKs send them, then Gemini's ?key=. `req.fhdr` reads a header's whole value (no comma splitting).
 _AFFINITY_RULES = """\
     http-request set-var(txn.rw_affinity) path,field(3,/) if { path_reg ^/s/[^/]+ }
@@ -153,8 +156,9 @@ _AFFINITY_RULES = """\
     http-request set-var(txn.rw_affinity) req.fhdr(x-api-key) if !{ var(txn.rw_affinity) -m found }
     http-request set-var(txn.rw_affinity) req.fhdr(x-goog-api-key) if !{ var(txn.rw_affinity) -m found }
     http-request set-var(txn.rw_affinity) url_param(key) if !{ var(txn.rw_affinity) -m found }
-    balance hash var(txn.rw_affinity)
-    hash-type consistent"""
+    balance leastconn
+    stick-table type string len 160 size 1m expire 24h
+    stick on var(txn.rw_affinity)"""
 
 
 def haproxy_config(front: FrontConfig) -> str:
@@ -193,7 +197,7 @@ backend {BACKEND}
     retry-on conn-failure
     option redispatch 1
     http-response set-header {SERVED_BY_HEADER} %[srv_name]
-    default-server weight 256 check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down
+    default-server check inter 1s fastinter 250ms downinter 1s fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down
 {servers}
 
 listen stats

@@ -72,7 +72,7 @@ class ProxyTierSettings(BaseSettings):
         "Proxy processes `rollwire up` and the main job run (`--proxies`). With more than one, each listens on "
         "a port of its own (ROLLWIRE_PROXY_TIER_PORT and the ports after it) and is named `proxy-<i>` "
         "(ROLLWIRE_PROXY_INSTANCE); HAProxy listens on ROLLWIRE_PROXY_HOST:ROLLWIRE_PROXY_PORT in front of them "
-        "and sends a session's calls to one process (a consistent hash of its path's session id, else its "
+        "and sends a session's calls to one process (the least busy one for its first call, then the same one, by its path's session id, else its "
         "key). With one, the proxy itself listens there and no HAProxy runs."))
     tier_port: int = Field(default=DEFAULT_PROXY_TIER_PORT, ge=1, le=65535, description=(
         "Port of the first proxy process behind HAProxy (`proxy-0`); `proxy-<i>` listens on this + i (a port "

@@ -301,7 +301,7 @@ def test_front_hashes_on_the_session_and_retries_only_what_never_arrived() -> No
     assert [re.sub(r"[(,].*", "", key) for key in keys] == ["path", "req.fhdr", "req.fhdr", "req.fhdr", "url_param"]
     assert [re.search(r"\((.*?)\)", key).group(1) for key in keys[1:]] == [  # type: ignore[union-attr]
         "authorization", "x-api-key", "x-goog-api-key", "key"]
-    assert "balance hash var(txn.rw_affinity)" in lines and "hash-type consistent" in lines
+    assert "balance leastconn" in lines and "stick on var(txn.rw_affinity)" in lines
     assert [line for line in lines if line.startswith("retry-on")] == ["retry-on conn-failure"]
     assert "http-check send meth GET uri /health" in lines and "option httpchk" in lines
     text = FRONT_CONFIG.read_text()

@@ -2,7 +2,7 @@
 ``haproxy`` binary (CI installs Debian's) and, for the tier, real ``rollwire proxy`` processes over the
 stand-in engine and the test broker.
 
-The front's rule (a consistent hash on the path's session id, else the key headers, else ``?key=``) is
+The front's rule (a session kept on one process, by the path's session id, else the key headers, else ``?key=``) is
 checked on stand-in backends that name themselves; the tier's behaviour on the proxy processes: which
 process served a call is read from each process's own ``/metrics`` (its count of model calls), and the
 front's ``x-rollwire-proxy`` header must agree.
@@ -75,7 +75,7 @@ def _server_states(stats_url: str) -> dict[str, str]:
 # ---- the configuration, and the rule on stand-in backends ----------------------------------------------
 
 
-def test_the_configuration_hashes_on_the_path_session_then_the_key_headers_then_the_key_parameter() -> None:
+def test_the_configuration_keys_on_the_path_session_then_the_key_headers_then_the_key_parameter() -> None:
     text = proxy_front.haproxy_config(_front_config(proxy_front.default_backends("127.0.0.1", 18100, 2), 18080,
                                                     18099))
     rules = [line.strip() for line in text.splitlines() if "set-var(txn.rw_affinity)" in line]
@@ -85,7 +85,7 @@ def test_the_configuration_hashes_on_the_path_session_then_the_key_headers_then_
     assert "path_reg ^/s/[^/]+" in rules[0]
     assert all("!{ var(txn.rw_affinity) -m found }" in rule for rule in rules[1:])  # the first found wins
     lines = {line.strip() for line in text.splitlines()}
-    assert {"balance hash var(txn.rw_affinity)", "hash-type consistent", "retry-on conn-failure",
+    assert {"balance leastconn", "stick on var(txn.rw_affinity)", "retry-on conn-failure",
             "option redispatch 1", "option httpchk GET /health", "option http-no-delay", "bind 127.0.0.1:18080",
             "server proxy-0 127.0.0.1:18100", "server proxy-1 127.0.0.1:18101"} <= lines
     assert not any(line.startswith(("option http-buffer-request", "compression")) for line in lines)
@@ -144,9 +144,9 @@ def _named(name: str):  # noqa: ANN202 - a minimal ASGI app
     return app
 
 
-def test_the_front_hashes_on_the_path_session_then_each_key_in_turn(tmp_path: Path) -> None:
-    """On two backends that answer with their name: a value the front hashes to one backend, given beside
-    one it hashes to the other, wins exactly when its source comes first in the rule's order."""
+def test_the_front_keys_on_the_path_session_then_each_key_in_turn(tmp_path: Path) -> None:
+    """On two backends that answer with their name: a value the front sends to one backend, given beside
+    one it sends to the other, wins exactly when its source comes first in the rule's order."""
     with serve(_named("a")) as a, serve(_named("b")) as b:
         backends = (Backend("proxy-0", "127.0.0.1", int(a.rsplit(":", 1)[1])),
                     Backend("proxy-1", "127.0.0.1", int(b.rsplit(":", 1)[1])))
@@ -170,7 +170,7 @@ def test_the_front_hashes_on_the_path_session_then_each_key_in_turn(tmp_path: Pa
                 assert served(f"/s/{key}/v1/chat/completions") == side
                 for _ in range(2):
                     assert served(**{"x-api-key": key}) == side  # and again: affinity
-            # Each source beats every later one, whichever backend the later one hashes to.
+            # Each source beats every later one, whichever backend the later one is kept on.
             for first, second in ((x, y), (y, x)):
                 expect = by_key[first]
                 assert served(f"/s/{first}/v1/chat/completions", authorization=f"Bearer {second}") == expect
@@ -180,22 +180,39 @@ def test_the_front_hashes_on_the_path_session_then_each_key_in_turn(tmp_path: Pa
                 assert served(f"/v1beta/models/m:generateContent?key={second}", **{"x-goog-api-key": first}) == expect
 
 
-def test_the_front_spreads_many_sessions_evenly_over_its_processes(tmp_path: Path) -> None:
-    """A thousand sessions named as the rollout server names them, over two and three processes: each
-    process gets its share within a tenth of the even split. The hash ring holds as many points per process
-    as HAProxy allows; with its default weight (few points), one of two processes took 60 % of the sessions."""
-    names = [f"task-{t}-r{run:04d}-s{s}" for run in range(16) for t in range(8) for s in range(8)]
-    with serve(_named("a")) as a, serve(_named("b")) as b, serve(_named("c")) as c:
-        ports = [int(url.rsplit(":", 1)[1]) for url in (a, b, c)]
-        for count in (2, 3):
-            backends = tuple(Backend(f"proxy-{i}", "127.0.0.1", ports[i]) for i in range(count))
-            folder = tmp_path / str(count)
-            folder.mkdir()
-            with _haproxy(_front_config(backends, free_port(), free_port()), folder) as url, \
-                    httpx.Client(base_url=url, timeout=10) as client:
-                served = [client.post(f"/s/{name}/v1/chat/completions").text for name in names]
-            shares = sorted(served.count(side) / len(names) for side in "abc"[:count])
-            assert shares[0] >= 0.9 / count and shares[-1] <= 1.1 / count, (count, shares)
+def _named_slow(name: str, delay_s: float):  # noqa: ANN202 - a minimal ASGI app
+    inner = _named(name)
+
+    async def app(scope, receive, send):  # noqa: ANN001, ANN202
+        if scope["type"] == "http":
+            await asyncio.sleep(delay_s)
+        await inner(scope, receive, send)
+    return app
+
+
+async def test_the_front_spreads_sessions_by_load_and_keeps_each_where_it_began(tmp_path: Path) -> None:
+    """Sixteen sessions' first calls at once over two processes (each call takes a while): eight each, by
+    the calls in flight, not by the luck of a hash of sixteen names. Each session's later calls, and a call
+    by its key instead of its path, go where its first call went."""
+    names = [f"fix-add-r1207-s{s}" for s in range(16)]
+    with serve(_named_slow("a", 0.4)) as a, serve(_named_slow("b", 0.4)) as b:
+        backends = (Backend("proxy-0", "127.0.0.1", int(a.rsplit(":", 1)[1])),
+                    Backend("proxy-1", "127.0.0.1", int(b.rsplit(":", 1)[1])))
+        with _haproxy(_front_config(backends, free_port(), free_port()), tmp_path) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                async def call(name: str, by_key: bool = False) -> str:
+                    if by_key:
+                        response = await client.post("/v1/chat/completions", headers={"x-api-key": name})
+                    else:
+                        response = await client.post(f"/s/{name}/v1/chat/completions")
+                    assert response.status_code == 200
+                    return response.text
+
+                first = await asyncio.gather(*(call(name) for name in names))
+                assert sorted(first.count(side) for side in "ab") == [8, 8], first
+                for _ in range(2):
+                    assert await asyncio.gather(*(call(name) for name in names)) == first
+                assert [await call(name, by_key=True) for name in names[:4]] == first[:4]
 
 
 # ---- the tier: real proxy processes ---------------------------------------------------------------------
