@@ -594,7 +594,7 @@ def _print_tiers(sizes: list[int], tiers: list[_Tier], results: dict[str, list[f
         # The processes' CPU together, and HAProxy's apart: what the tier costs the machine per call.
         print(f"{name}_proxy_cpu_ms_per_request={proxy_cpu[name] * 1000 / len(p):.2f} "
               f"{name}_front_cpu_ms_per_request={front_cpu.get(name, 0.0) * 1000 / len(p):.2f}")
-        # How the front spread the calls (its hash on the sessions' paths), and whether any call found its
+        # How the front spread the calls (each session kept on one process), and whether any call found its
         # session's branches behind the log (a restore: only when a session's calls moved between processes).
         served = [_counter(a, _SERVED) - _counter(b, _SERVED) for b, a in zip(tier.metrics_before, after[name],
                                                                               strict=True)]
