@@ -55,12 +55,9 @@ class Hangup:
 
         ``work`` runs in the calling task, not in a task of its own: a call's start and its first bytes do
         not each wait for a turn of a busy event loop. The hang-up cancels the calling task, and only this
-        wait: a cancellation of the call from elsewhere (the server stopping) stays a cancellation."""
-        if self.gone:
-            close = getattr(work, "close", None)
-            if close is not None:
-                close()  # never started: nothing to release
-            raise ClientDisconnected(f"the client closed the connection while the call waited for {waiting_for}")
+        wait: a cancellation of the call from elsewhere (the server stopping) stays a cancellation. A client
+        already gone still has the work started, then cut at its first wait, so that whatever records the
+        call's end (a stream's own handlers) runs as it would have a moment later."""
         task = asyncio.current_task()
         assert task is not None
         waiting, cut = True, False
