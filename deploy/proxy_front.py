@@ -15,12 +15,12 @@ The rules, and why:
   ``x-goog-api-key``, then ``?key=``). A session's first call goes to the process with the fewest calls in
   flight (``balance leastconn``) and the front remembers where (a stick table, a day per session); its later
   calls go there. A hash of the key would need no table, but with the few sessions a tier serves at once it
-  spreads them by chance: 16 rollout sessions hashed over two processes went 12 to 4, so one process carried
-  three quarters of the load. A process keeps per-session state that its calls warm (a branch's exact token
-  ids, call numbers, the digests that tell an SDK's retry), but every process reads every session from the
-  ``sessions`` topic and that state is a view of the log: affinity is an optimisation, never needed for a
-  call to be served and recorded (docs/design.md, "The fleet"), so a front started again (its table empty)
-  or a session sent elsewhere costs a read of the session's log, never a wrong call.
+  spreads them by chance, and one process can carry most of the load. A process keeps per-session state that
+  its calls warm (a branch's exact token ids, call numbers, the digests that tell an SDK's retry), but every
+  process reads every session from the ``sessions`` topic and that state is a view of the log: affinity is an
+  optimisation, never needed for a call to be served and recorded (docs/design.md, "The fleet"), so a front
+  started again (its table empty) or a session sent elsewhere costs a read of the session's log, never a
+  wrong call.
 - **A dead process leaves at once.** Each process's ``/health`` is read every second (every 250 ms while its
   state changes), two failures take it out, and a refused connection takes it out on the spot (``observe
   layer4``): its sessions go to the other processes (each to the least busy, and stay there).

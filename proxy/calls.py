@@ -163,7 +163,7 @@ class CallService:
         recording = asyncio.ensure_future(self._record_turn(ctx, request, turn, parent))
         self._background.add(recording)
         recording.add_done_callback(self._background.discard)
-        recording.add_done_callback(_retrieved)
+        recording.add_done_callback(retrieved)
         return await asyncio.shield(recording)
 
     async def _admit(self, ctx: CallContext, session: LiveSession) -> Admission:
@@ -619,8 +619,8 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
         await task
 
 
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """Mark a background task's outcome as seen (its caller, if still there, reports it)."""
+def retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a background task's outcome as seen (whoever awaits it, if anyone still does, reports it)."""
     if not task.cancelled():
         task.exception()
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from proxy.apis import model_catalog as catalog
 from proxy.apis.anthropic_messages import MessagesApi
+from proxy.calls import retrieved
 from proxy.capture import EMPTY_REQUEST, CallContext, body_digest
 from proxy.errors import CaptureFailed, ClientDisconnected, NotFound, ProxyError, UpgradeRequired, as_proxy_error
 from proxy.apis.gemini import GeminiApi
@@ -74,7 +75,7 @@ def _context(request: Request, session: LiveSession, api: ProviderApi, raw: byte
     digest = body_digest(raw) if raw is not None else None
     retry_count = _retry_count(request.headers.get("x-stainless-retry-count", "0"))
     numbering = asyncio.ensure_future(_claim(request, session.session_id, digest, retry_count))
-    numbering.add_done_callback(_retrieved)
+    numbering.add_done_callback(retrieved)  # a failed claim is answered by the call that waits for it
     hints = {name: request.headers[name] for name in _HINT_HEADERS if name in request.headers}
     body = raw.decode("utf-8", errors="replace") if keep_body and raw is not None else None
     # policy_version: the engine's, once the call passes the policy gate (proxy/calls.py); None before.
@@ -91,11 +92,6 @@ async def _claim(request: Request, session_id: str, digest: str | None, retry_co
     state.metrics.call_numbers.observe(time.perf_counter() - numbering)
     return numbered.sequence, numbered.retry_of
 
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A claim's failure is answered by the call that waits for its number; no warning for it here."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def _parse(provider: ProviderAdapter, raw: bytes, route: Route) -> tuple[Any, ParsedCall]:
