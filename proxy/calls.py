@@ -38,6 +38,7 @@ from proxy.continuation.branches import Placement, branch_id_for
 from proxy.continuation.restore import BranchRestorer
 from proxy.capture import CallContext, Recorder, completion_event
 from proxy.continuation.exact import CannotContinue
+from proxy.deferred import DeferredWork
 from proxy.engine import effective_request, engine_body, fit_max_tokens
 from proxy.fleet.pool import Engine, EnginePool
 from proxy.turns import EngineDelta, EngineTurn, TurnAssembler
@@ -82,6 +83,8 @@ class CallService:
         self.restorer = restorer
         self.upstream_stream = upstream_stream
         self._background: set[asyncio.Task[Any]] = set()
+        # Work a stream's turn needs before it is recorded but not before its next byte (its prompt ids).
+        self._deferred = DeferredWork()
         self._in_flight = 0  # calls inside whole() or stream()
         self._stopping = False
 
@@ -449,6 +452,8 @@ class CallService:
                             if ctx.first_token_at is None and (delta.token_ids or delta.has_text):
                                 ctx.first_token_at = utcnow()
                             assembler.add(delta)
+                            if assembler.prompt_pending:
+                                self._deferred.add(assembler.settle_prompt)
                             out += renderer.stream_delta(delta)
                         if out:
                             # One write for what one read brought: a proxy behind the engine catches up in
@@ -673,6 +678,8 @@ def _remember(session: LiveSession, placement: Placement, request: NormalizedReq
 def _check_turn(turn: EngineTurn) -> None:
     """The engine must give token data and say how the turn ended: without them the call cannot be used
     for training (a turn with no finish reason may be cut off, and must not reach training as complete)."""
+    if turn.prompt_error is not None:
+        raise EngineFailed(turn.prompt_error)
     if not turn.prompt_token_ids:
         raise EngineFailed("the engine returned no prompt_token_ids: is it vLLM with return_token_ids support?")
     if turn.logprobs and len(turn.logprobs) != len(turn.token_ids):

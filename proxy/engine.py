@@ -389,19 +389,50 @@ def _deltas(payloads: list[bytes]) -> tuple[list[EngineDelta], ProxyError | None
         if payload == b"[DONE]":
             # Read on to the end of the body so that the connection goes back to the pool.
             continue
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return deltas, EngineFailed(f"engine sent a chunk that is not JSON: {_shown(payload)}")
+        chunk, prompt_text = _chunk_of(payload)
+        if chunk is None:
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return deltas, EngineFailed(f"engine sent a chunk that is not JSON: {_shown(payload)}")
         if not isinstance(chunk, dict):
             return deltas, EngineFailed(f"engine sent a chunk that is not a JSON object: {_shown(payload)}")
         if "error" in chunk and "choices" not in chunk:
             return deltas, EngineFailed(f"engine failed mid-stream: {_error_text(chunk['error'])}")
         try:
-            deltas.append(_parsed(parse_chunk, chunk))
+            delta = _parsed(parse_chunk, chunk)
         except EngineFailed as exc:
             return deltas, exc
+        delta.prompt_ids_text = prompt_text
+        deltas.append(delta)
     return deltas, None
+
+
+_PROMPT_IDS_KEY = b'"prompt_token_ids":'
+
+
+def _chunk_of(payload: bytes) -> tuple[Any, bytes | None]:
+    """A chunk that carries the prompt's ids, parsed without them, and their array as the engine wrote it
+    (read into ids later, off the path of the chunk's first bytes: :class:`~proxy.turns.TurnAssembler`);
+    ``(None, None)`` for any other chunk, or one whose ids are not a plain top-level array, which the
+    caller parses whole. The key with its closing quote cannot occur inside a JSON string (a string's
+    quotes are escaped), so the first match is a key; that it is the chunk's own is checked after."""
+    at = payload.find(_PROMPT_IDS_KEY)
+    if at < 0:
+        return None, None
+    start = at + len(_PROMPT_IDS_KEY)
+    while payload[start:start + 1] in (b" ", b"\t", b"\r", b"\n"):
+        start += 1
+    end = payload.find(b"]", start)
+    if payload[start:start + 1] != b"[" or end < 0:
+        return None, None
+    try:
+        chunk = orjson.loads(payload[:start] + b"null" + payload[end + 1:])
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(chunk, dict) or "prompt_token_ids" not in chunk or chunk["prompt_token_ids"] is not None:
+        return None, None
+    return chunk, payload[start:end + 1]
 
 
 def _shown(payload: bytes) -> str:

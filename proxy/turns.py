@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from schemas.arrays import TokenIds
 from schemas.completions import ToolCall, Usage
@@ -41,11 +42,25 @@ class EngineDelta:
     # bytes, top alternatives), for a harness that asked for logprobs; ``logprobs`` holds their values.
     logprob_entries: list[dict[str, Any]] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
+    # The prompt ids as the engine wrote them (a JSON array), not yet read into ids: a long prompt's take
+    # milliseconds to read, which the chunk's first bytes to the harness need not wait for.
+    prompt_ids_text: bytes | None = None
     usage: Usage | None = None
 
     @property
     def has_text(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
+
+    @property
+    def prompt_length(self) -> int:
+        """How many prompt ids the chunk carries (counted in their text while it is not read yet)."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        text = self.prompt_ids_text
+        if text is None:
+            return 0
+        commas = text.count(b",")
+        return commas + 1 if commas or text.strip(b"[] \t\r\n") else 0
 
 
 @dataclass(slots=True)
@@ -67,6 +82,8 @@ class EngineTurn:
     # The prompt ids already packed for the event (a stream packs them as they arrive, off the end of the
     # call where the event is written); None: packed when the event is built.
     packed_prompt: TokenIds | None = None
+    # Why the engine's prompt ids could not be read (they were not JSON); the turn is then unusable.
+    prompt_error: str | None = None
     # The engine's entry per sampled token (see EngineDelta.logprob_entries), for a whole reply; empty when
     # it gave none, and for a streamed one, whose entries went out with their chunks and are not kept (a
     # long reply's entries are hundreds of bytes a token).
@@ -107,14 +124,15 @@ class TurnAssembler:
         self.stop_reason: int | str | None = None
         self.usage: Usage | None = None
         self.packed_prompt: TokenIds | None = None
+        self.prompt_error: str | None = None
+        self._prompt_text: bytes | None = None
 
     def add(self, delta: EngineDelta) -> None:
         if delta.prompt_token_ids is not None:
-            self.prompt_token_ids = delta.prompt_token_ids
-            try:
-                self.packed_prompt = packed_token_ids(delta.prompt_token_ids)
-            except Exception:  # not ids at all: the event's own build says so (proxy/capture.py)
-                self.packed_prompt = None
+            self._take_prompt(delta.prompt_token_ids)
+        elif delta.prompt_ids_text is not None:
+            self._prompt_text, self.prompt_token_ids, self.packed_prompt = delta.prompt_ids_text, [], None
+            self.prompt_error = None
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.content:
@@ -132,13 +150,39 @@ class TurnAssembler:
         if delta.usage is not None:
             self.usage = delta.usage
 
+    @property
+    def prompt_pending(self) -> bool:
+        """The engine's prompt ids came as text that :meth:`settle_prompt` has not read yet."""
+        return self._prompt_text is not None
+
+    def settle_prompt(self) -> None:
+        """Read the prompt ids the engine wrote into ids and their packed array (nothing if already done)."""
+        text, self._prompt_text = self._prompt_text, None
+        if text is None:
+            return
+        try:
+            values = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            self.prompt_error = f"engine sent prompt_token_ids that are not JSON: {text[:200].decode(errors='replace')}"
+            return
+        self._take_prompt(values)
+
+    def _take_prompt(self, values: list[int]) -> None:
+        self.prompt_token_ids = values
+        try:
+            self.packed_prompt = packed_token_ids(values)
+        except Exception:  # not ids at all: the event's own build says so (proxy/capture.py)
+            self.packed_prompt = None
+
     def turn(self) -> EngineTurn:
+        self.settle_prompt()
         calls = [ToolCall(id=c.id or f"call_{i}", name=c.name or "", arguments=c.arguments)
                  for i, c in sorted(self._calls.items())]
         usage = self.usage or Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
         return EngineTurn(self.prompt_token_ids, self.token_ids, self.logprobs, "".join(self._content) or None,
                           "".join(self._reasoning) or None, calls, self.finish_reason, usage,
-                          stop_reason=self.stop_reason, packed_prompt=self.packed_prompt)
+                          stop_reason=self.stop_reason, packed_prompt=self.packed_prompt,
+                          prompt_error=self.prompt_error)
 
 
 def packed_token_ids(values: list[int]) -> TokenIds:

@@ -511,7 +511,7 @@ class MessagesRenderer:
     def stream_delta(self, delta: EngineDelta) -> list[bytes]:
         """Chunks for one engine delta: message_start first, then blocks opened, filled and stopped as the
         kind of output changes. The open block stays open (its stop may be the closing part)."""
-        chunks = self._start(len(delta.prompt_token_ids or ()))
+        chunks = self._start(delta.prompt_length)
         if delta.reasoning:
             if self._open != "thinking":
                 chunks += self._open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})

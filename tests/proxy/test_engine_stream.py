@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from tests.support.standin_text import load_fixture
+from proxy.calls import _check_turn
 from proxy.engine import SseLines, _deltas
 from proxy.turns import EngineDelta, TurnAssembler
 from proxy.errors import EngineFailed
@@ -62,3 +63,91 @@ def test_a_broken_chunk_keeps_the_good_ones_before_it() -> None:
         deltas, error = _deltas(SseLines().feed(first + second + broken + first))
         assert len(deltas) == 2
         assert isinstance(error, EngineFailed) and reason in error.message
+
+
+def _first_chunk(**changes: object) -> dict:
+    return {**RECORDED["chunks"][0], **changes}
+
+
+def test_the_prompt_ids_come_as_text_and_read_into_the_same_ids() -> None:
+    """The first chunk's prompt ids are cut out unread (the chunk goes out without waiting for them) and
+    read when the turn needs them: the same ids, the same packed array, whatever the read size."""
+    (first, *rest), error = _deltas(SseLines().feed(WIRE))
+    assert error is None
+    assert first.prompt_token_ids is None and first.prompt_ids_text is not None
+    assert orjson.loads(first.prompt_ids_text) == RECORDED["chunks"][0]["prompt_token_ids"]
+    assembler = TurnAssembler()
+    assembler.add(first)
+    assert assembler.prompt_pending
+    assembler.settle_prompt()
+    assert not assembler.prompt_pending
+    assert assembler.prompt_token_ids == RECORDED["chunks"][0]["prompt_token_ids"]
+    assert assembler.packed_prompt is not None and assembler.packed_prompt.tolist() == assembler.prompt_token_ids
+    for delta in rest:
+        assembler.add(delta)
+    assembler.settle_prompt()  # already read: nothing changes
+    turn = assembler.turn()
+    assert turn.prompt_token_ids == RECORDED["chunks"][0]["prompt_token_ids"] and turn.prompt_error is None
+
+
+def test_a_turn_taken_before_the_later_read_reads_the_prompt_ids_itself() -> None:
+    (first, *rest), _ = _deltas(SseLines().feed(WIRE))
+    assembler = TurnAssembler()
+    for delta in (first, *rest):
+        assembler.add(delta)
+    turn = assembler.turn()  # nobody settled the prompt: the turn does
+    assert turn.prompt_token_ids == RECORDED["chunks"][0]["prompt_token_ids"]
+    assert turn.packed_prompt is not None and len(turn.packed_prompt) == len(turn.prompt_token_ids)
+
+
+@pytest.mark.parametrize("payload", [
+    # spaces after the colon (another server's JSON writer)
+    lambda ids: b'{"object": "chat.completion.chunk", "choices": [], "prompt_token_ids": ' + ids + b"}",
+    # the key at the end, compact
+    lambda ids: b'{"choices":[],"prompt_token_ids":' + ids + b"}",
+])
+def test_prompt_ids_are_found_wherever_the_key_stands(payload) -> None:
+    ids = [5, 0, 151644, 2147483647]
+    deltas, error = _deltas([payload(orjson.dumps(ids))])
+    assert error is None and deltas[0].prompt_ids_text is not None
+    assembler = TurnAssembler()
+    assembler.add(deltas[0])
+    assert assembler.turn().prompt_token_ids == ids
+
+
+def test_the_key_inside_text_or_nested_is_not_taken_for_the_chunks_prompt_ids() -> None:
+    """The key's name in the reply's text, or a key of that name below the top level, leaves the chunk as
+    it is (parsed whole): the text is intact and no prompt ids are made up."""
+    text = 'say "prompt_token_ids":[1,2] please]'
+    chunk = _first_chunk(choices=[{"index": 0, "delta": {"content": text}, "finish_reason": None,
+                                   "nested": {"prompt_token_ids": [9, 9]}}])
+    del chunk["prompt_token_ids"]
+    deltas, error = _deltas([orjson.dumps(chunk)])
+    assert error is None
+    assert deltas[0].content == text
+    assert deltas[0].prompt_ids_text is None and deltas[0].prompt_token_ids is None
+
+
+def test_prompt_ids_that_are_not_plain_ids_still_fail_the_turn_clearly() -> None:
+    """Ids that cannot be cut out as one array (a string with a bracket in it) are parsed with the chunk, as
+    before; ids that cut out but are not JSON make the turn unusable with the reason, not a crash."""
+    odd = b'{"choices":[],"prompt_token_ids":["a]",1]}'
+    deltas, error = _deltas([odd])
+    assert error is None and deltas[0].prompt_ids_text is None and deltas[0].prompt_token_ids == ["a]", 1]
+    broken = b'{"choices":[],"prompt_token_ids":[1,2,x]}'
+    deltas, error = _deltas([broken])
+    assert error is None and deltas[0].prompt_ids_text == b"[1,2,x]"
+    assembler = TurnAssembler()
+    assembler.add(deltas[0])
+    turn = assembler.turn()
+    assert turn.prompt_error is not None and "not JSON" in turn.prompt_error and "[1,2,x]" in turn.prompt_error
+    assert turn.prompt_token_ids == []
+    with pytest.raises(EngineFailed, match="not JSON"):
+        _check_turn(turn)  # what the call checks before it serves or records a turn
+
+
+@pytest.mark.parametrize("ids", [[], [7], [1, 2, 3], list(range(1000))])
+def test_a_chunk_counts_its_prompt_ids_before_reading_them(ids: list[int]) -> None:
+    deltas, _ = _deltas([b'{"choices":[],"prompt_token_ids": ' + orjson.dumps(ids).replace(b",", b", ") + b"}"])
+    assert deltas[0].prompt_ids_text is not None and deltas[0].prompt_length == len(ids)
+    assert EngineDelta(prompt_token_ids=ids).prompt_length == len(ids) and EngineDelta().prompt_length == 0
