@@ -9,11 +9,12 @@ the engine client (:mod:`proxy.engine`) and the token API (:mod:`proxy.continuat
 from __future__ import annotations
 
 import array
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 
 from schemas.arrays import TokenIds
 from schemas.completions import ToolCall, Usage
@@ -41,7 +42,7 @@ class EngineDelta:
     # The engine's own entry per sampled token (``logprobs.content[i]``, kept as it came: token string,
     # bytes, top alternatives), for a harness that asked for logprobs; ``logprobs`` holds their values.
     logprob_entries: list[dict[str, Any]] = field(default_factory=list)
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: Sequence[int] | None = None
     # The prompt ids as the engine wrote them (a JSON array), not yet read into ids: a long prompt's take
     # milliseconds to read, which the chunk's first bytes to the harness need not wait for.
     prompt_ids_text: bytes | None = None
@@ -67,7 +68,7 @@ class EngineDelta:
 class EngineTurn:
     """The engine's whole reply to one call."""
 
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list, or the packed array a stream's ids are read into
     token_ids: list[int]
     logprobs: list[float | None]
     content: str | None
@@ -114,7 +115,7 @@ class TurnAssembler:
     """Folds streamed deltas into an :class:`EngineTurn`."""
 
     def __init__(self) -> None:
-        self.prompt_token_ids: list[int] = []
+        self.prompt_token_ids: Sequence[int] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
         self._content: list[str] = []
@@ -156,18 +157,19 @@ class TurnAssembler:
         return self._prompt_text is not None
 
     def settle_prompt(self) -> None:
-        """Read the prompt ids the engine wrote into ids and their packed array (nothing if already done)."""
+        """Read the prompt ids the engine wrote into their packed array (nothing if already done)."""
         text, self._prompt_text = self._prompt_text, None
         if text is None:
             return
         try:
-            values = orjson.loads(text)
-        except orjson.JSONDecodeError:
-            self.prompt_error = f"engine sent prompt_token_ids that are not JSON: {text[:200].decode(errors='replace')}"
+            ids = read_token_ids(text)
+        except ValueError as exc:
+            self.prompt_error = (f"engine sent prompt_token_ids that are not token ids ({exc}): "
+                                 f"{text[:200].decode(errors='replace')}")
             return
-        self._take_prompt(values)
+        self.prompt_token_ids = self.packed_prompt = ids
 
-    def _take_prompt(self, values: list[int]) -> None:
+    def _take_prompt(self, values: Sequence[int]) -> None:
         self.prompt_token_ids = values
         try:
             self.packed_prompt = packed_token_ids(values)
@@ -185,7 +187,27 @@ class TurnAssembler:
                           prompt_error=self.prompt_error)
 
 
-def packed_token_ids(values: list[int]) -> TokenIds:
+def read_token_ids(text: bytes) -> TokenIds:
+    """Token ids from the JSON array the engine wrote, read straight into an array: no Python int per id
+    (a long prompt's ids are the most a call parses). ValueError, saying what is wrong, for anything but a
+    flat array of integers in [0, 2**31)."""
+    body = text.strip()
+    if body[:1] != b"[" or body[-1:] != b"]":
+        raise ValueError("not a JSON array")
+    inner = body[1:-1].strip()
+    if not inner:
+        return TokenIds([])
+    # numpy's reader takes what JSON does not (a trailing comma, a number read only in part), so the ends are
+    # checked here and the reader fails on anything in between that is not an integer.
+    if not (inner[:1].isdigit() or inner[:1] == b"-") or not inner[-1:].isdigit():
+        raise ValueError("not an array of integers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        values = np.fromstring(inner, dtype=np.int64, sep=",")
+    return TokenIds(values)  # refuses ids out of range
+
+
+def packed_token_ids(values: Sequence[int]) -> TokenIds:
     """The engine's token ids as the event's packed array, through ``array.array`` (C, and strict: a
     float, a string or an id past int32 is refused there); what it refuses goes through ``TokenIds``'s own
     checks, which say what is wrong. About half the cost of TokenIds(list) for a 38k-token prompt."""

@@ -55,6 +55,7 @@ import numpy as np
 from proxy.continuation.equivalence import common_prefix, content_text, same_message, tools_signature
 from proxy.turns import ends_on_end_id
 from schemas.completions import BranchRole, ChatMessage, Completion, NormalizedRequest, ToolDefinition
+from schemas.arrays import TokenIds
 from schemas.prompt_chain import ChainLink
 
 MAX_BRANCHES = 64
@@ -291,7 +292,8 @@ def _packed(prompt: Sequence[int], sampled: Sequence[int], link: ChainLink | Non
     event's TokenIds refuses any other before a turn is remembered)."""
     if link is not None and len(link.tokens) == len(prompt) + len(sampled):
         return link.tokens
-    tokens = np.concatenate([np.asarray(prompt, dtype=np.int32), np.asarray(sampled, dtype=np.int32)])
+    head = prompt.numpy if isinstance(prompt, TokenIds) else np.asarray(prompt, dtype=np.int32)
+    tokens = np.concatenate([head, np.asarray(sampled, dtype=np.int32)])
     tokens.flags.writeable = False
     return tokens
 

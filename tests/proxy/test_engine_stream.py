@@ -7,13 +7,15 @@ doubles or garbles a chunk at some read boundary shows as a different turn.
 
 from __future__ import annotations
 
+import numpy as np
 import orjson
 import pytest
 
 from tests.support.standin_text import load_fixture
 from proxy.calls import _check_turn
 from proxy.engine import SseLines, _deltas
-from proxy.turns import EngineDelta, TurnAssembler
+from proxy.turns import EngineDelta, TurnAssembler, read_token_ids
+from schemas.arrays import TokenIds
 from proxy.errors import EngineFailed
 
 RECORDED = load_fixture("chat_stream.json")
@@ -134,16 +136,23 @@ def test_prompt_ids_that_are_not_plain_ids_still_fail_the_turn_clearly() -> None
     odd = b'{"choices":[],"prompt_token_ids":["a]",1]}'
     deltas, error = _deltas([odd])
     assert error is None and deltas[0].prompt_ids_text is None and deltas[0].prompt_token_ids == ["a]", 1]
-    broken = b'{"choices":[],"prompt_token_ids":[1,2,x]}'
-    deltas, error = _deltas([broken])
-    assert error is None and deltas[0].prompt_ids_text == b"[1,2,x]"
-    assembler = TurnAssembler()
-    assembler.add(deltas[0])
-    turn = assembler.turn()
-    assert turn.prompt_error is not None and "not JSON" in turn.prompt_error and "[1,2,x]" in turn.prompt_error
-    assert turn.prompt_token_ids == []
-    with pytest.raises(EngineFailed, match="not JSON"):
-        _check_turn(turn)  # what the call checks before it serves or records a turn
+    for ids in (b"[1,2,x]", b"[1,2.5]", b"[1,2,]", b"[,1]", b"[1,,2]", b"[3,-1]", b"[5000000000]", b"[1e3]"):
+        deltas, error = _deltas([b'{"choices":[],"prompt_token_ids":' + ids + b"}"])
+        assert error is None and deltas[0].prompt_ids_text == ids
+        assembler = TurnAssembler()
+        assembler.add(deltas[0])
+        turn = assembler.turn()
+        assert turn.prompt_error is not None and "not token ids" in turn.prompt_error, ids
+        assert ids.decode() in turn.prompt_error and len(turn.prompt_token_ids) == 0
+        with pytest.raises(EngineFailed, match="not token ids"):
+            _check_turn(turn)  # what the call checks before it serves or records a turn
+
+
+@pytest.mark.parametrize("ids", [[], [0], [2147483647], list(range(0, 300000, 7))])
+def test_prompt_ids_read_from_text_are_the_engines_ids(ids: list[int]) -> None:
+    for text in (orjson.dumps(ids), orjson.dumps(ids).replace(b",", b", \n")):
+        read = read_token_ids(text)
+        assert isinstance(read, TokenIds) and read.tolist() == ids and read.numpy.dtype == np.int32
 
 
 @pytest.mark.parametrize("ids", [[], [7], [1, 2, 3], list(range(1000))])
