@@ -80,10 +80,10 @@ class EngineTurn:
     # What stopped a "stop" turn, as vLLM says it: None for the tokenizer's end of sequence, an id for one of
     # the other end ids (the generation config's, the request's stop_token_ids), a string for a stop string.
     stop_reason: int | str | None = None
-    # The prompt ids already packed for the event (a stream packs them as they arrive, off the end of the
-    # call where the event is written); None: packed when the event is built.
+    # The prompt ids already packed for the event (a stream reads them into it during the stream, off the
+    # end of the call where the event is written); None: packed when the event is built.
     packed_prompt: TokenIds | None = None
-    # Why the engine's prompt ids could not be read (they were not JSON); the turn is then unusable.
+    # Why the engine's prompt ids could not be read (not an array of token ids); the turn is then unusable.
     prompt_error: str | None = None
     # The engine's entry per sampled token (see EngineDelta.logprob_entries), for a whole reply; empty when
     # it gave none, and for a streamed one, whose entries went out with their chunks and are not kept (a
