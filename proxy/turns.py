@@ -9,7 +9,6 @@ the engine client (:mod:`proxy.engine`) and the token API (:mod:`proxy.continuat
 from __future__ import annotations
 
 import array
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,13 +196,14 @@ def read_token_ids(text: bytes) -> TokenIds:
     inner = body[1:-1].strip()
     if not inner:
         return TokenIds([])
-    # numpy's reader takes what JSON does not (a trailing comma, a number read only in part), so the ends are
-    # checked here and the reader fails on anything in between that is not an integer.
+    # numpy's reader takes what JSON does not (a trailing comma; before numpy 2, anything after the last
+    # number it could read, with a warning), so the ends and the count are checked here. No warnings filter:
+    # it would be the whole process's, every thread's, while it lasted.
     if not (inner[:1].isdigit() or inner[:1] == b"-") or not inner[-1:].isdigit():
         raise ValueError("not an array of integers")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        values = np.fromstring(inner, dtype=np.int64, sep=",")
+    values = np.fromstring(inner, dtype=np.int64, sep=",")
+    if len(values) != inner.count(b",") + 1:
+        raise ValueError("not an array of integers")
     return TokenIds(values)  # refuses ids out of range
 
 
