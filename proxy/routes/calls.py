@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response, WebSocket
@@ -153,9 +153,10 @@ async def serve_call(request: Request, provider: ProviderAdapter, session_id: st
             exc.recorded = True  # by the stream itself, cancelled (or its turn, if it was being recorded)
             raise
         status = 200
-        hangup.stop()  # the streaming response listens for the hang-up from here on
-        return RelayResponse(first, chunks, media_type=provider.stream_media_type,
-                             headers={"cache-control": "no-cache"})
+        relay = RelayResponse(first, chunks, media_type=provider.stream_media_type,
+                              headers={"cache-control": "no-cache"}, hangup=hangup)
+        hangup = None  # the response watches the connection from here on
+        return relay
     except Exception as exc:
         error = as_proxy_error(exc, request.url.path)
         status = error.status_code
@@ -221,6 +222,25 @@ async def create_message(request: Request, session_id: str | None = None) -> Res
 async def count_message_tokens(request: Request, session_id: str | None = None) -> Response:
     return await count_tokens(request, session_id, messages.parse_count, messages.error_body,
                               lambda count: {"input_tokens": count})
+
+
+CallEndpoint = Callable[[Request, "str | None"], Awaitable[Response]]
+_DIRECT: dict[str, CallEndpoint] = {"/v1/chat/completions": chat_completions, "/v1/responses": create_response,
+                                    "/v1/messages": create_message}
+
+
+def direct_endpoint(path: str) -> tuple[CallEndpoint, str | None] | None:
+    """The endpoint of a POST on ``path`` and the session its path names, for the model calls the app hands
+    to their endpoint without the framework's routing (proxy/app.py); None for any other path (Gemini's,
+    whose method is in its path, included: those go through the router)."""
+    session_id: str | None = None
+    if path.startswith("/s/"):
+        session_id, slash, rest = path[3:].partition("/")
+        if not session_id or not slash:
+            return None
+        path = "/" + rest
+    endpoint = _DIRECT.get(path)
+    return None if endpoint is None else (endpoint, session_id)
 
 
 # google-genai (Python) 1.x and later calls v1 by default, the JS SDK and the CLIs v1beta; the method
