@@ -8,9 +8,10 @@ killed), or after the response is complete. A :class:`Hangup` waits for it in a 
 is raised, which the call records as a failed call like any other error (never as a served turn the
 harness did not get).
 
-A streamed reply needs this only until its first bytes: from then on the response itself listens for the
-hang-up (Starlette's streaming response), and the stream records an aborted call. The watcher must be
-stopped before the response starts, so that the two never both read ``receive``.
+A streamed reply keeps its watcher past its first bytes: the response takes it over and relays the rest
+of the stream under it (:class:`proxy.relay.RelayResponse`), so that a hang-up mid-stream cuts the stream,
+which records an aborted call. Only one watcher ever reads ``receive``; it is stopped before the body's end
+is written, after which the server answers every read with a disconnect.
 """
 
 from __future__ import annotations
