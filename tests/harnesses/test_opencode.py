@@ -290,8 +290,6 @@ def assert_tool_session(first: OpencodeRun, second: OpencodeRun, proxy: ProxyUnd
         assert event.request_body is not None and json.loads(event.request_body)["stream"] is True
     [title], agent = split_calls(second)
     assert_title_call(title, second, proxy, tool_turns(second.workspace)[0]["vllm_xargs"]["rollwire_forced_text"])
-    numbers = [e.sequence for e in agent]
-    assert numbers == sorted(numbers) and sorted([title.sequence, *numbers]) == [0, 1, 2, 3]
     assert_agent_chain(second, agent, exact=exact)
     call_turn, answer_turn, follow_up_turn = agent
     # Turn 0: the write call, parsed from the model's <tool_call> block.
